@@ -1,0 +1,33 @@
+# `make demo` and `make test` are the two set-up commands: each creates .venv if needed and installs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ember-installed
+
+.PHONY: demo test test-slow lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	# torch pinned for development and CI (a CPU wheel of exactly this version is on local disk)
+	$(BIN)/python -m pip install "torch==2.13.0"
+	$(BIN)/python -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ember demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+bench: $(STAMP)
+	$(BIN)/python bench/csprng.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info
