@@ -1,0 +1,50 @@
+"""Weight averaging and weight-space posteriors: SWA, EMA, SWAG, MultiSWAG, calibration metrics.
+
+See ``docs/swa.md`` for the guide and the maturity of each feature.
+"""
+
+from ember.swa.averaging import (
+    EMA,
+    SWA,
+    SWALR,
+    AveragedModel,
+    ema_decay,
+    get_ema_avg_fn,
+    get_ema_multi_avg_fn,
+    get_swa_avg_fn,
+    get_swa_multi_avg_fn,
+)
+from ember.swa.bn import update_bn
+from ember.swa.metrics import (
+    accuracy,
+    brier_score,
+    calibration_bins,
+    expected_calibration_error,
+    nll,
+    predictive_entropy,
+)
+from ember.swa.plots import reliability_diagram
+from ember.swa.swag import SWAG, MultiSWAG, bayesian_average
+
+__all__ = [
+    "EMA",
+    "SWA",
+    "SWAG",
+    "SWALR",
+    "AveragedModel",
+    "MultiSWAG",
+    "accuracy",
+    "bayesian_average",
+    "brier_score",
+    "calibration_bins",
+    "ema_decay",
+    "expected_calibration_error",
+    "get_ema_avg_fn",
+    "get_ema_multi_avg_fn",
+    "get_swa_avg_fn",
+    "get_swa_multi_avg_fn",
+    "nll",
+    "predictive_entropy",
+    "reliability_diagram",
+    "update_bn",
+]

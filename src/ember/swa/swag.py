@@ -1,0 +1,333 @@
+"""SWA-Gaussian posteriors (SWAG, MultiSWAG) and Bayesian model averaging over their samples.
+
+Follows Maddox et al. (2019): running first and second moments of the flattened parameters, a ring
+of the last ``K`` deviations from the running mean, and samples
+``mean + sqrt(scale) * (sqrt(var) * z1 + D^T z2 / sqrt(K' - 1))``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ember.swa._batches import Forward, default_forward, strip_compile_prefix, to_device
+from ember.swa.bn import has_running_stats, update_bn
+
+__all__ = ["SWAG", "MultiSWAG", "bayesian_average"]
+
+
+def _named_parameters(model: nn.Module) -> list[tuple[str, Tensor]]:
+    return [(strip_compile_prefix(n), p) for n, p in model.named_parameters()]
+
+
+class SWAG:
+    """A SWAG posterior over the parameters of models shaped like ``model``.
+
+    Call :meth:`collect` with the training model at each collection point of the SWA phase, then
+    :meth:`sample`. Statistics are stored flat on ``device`` (default: the model's) in ``dtype``
+    (default float32) and take ``(2 + max_rank) * P`` elements for ``P`` parameters. Buffers are not
+    part of the posterior: recompute BatchNorm statistics for each sample (see
+    :func:`bayesian_average`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_rank: int = 20,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        var_clamp: float = 1e-30,
+    ) -> None:
+        if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
+            raise ValueError(f"max_rank must be an integer >= 1, got {max_rank!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+        params = _named_parameters(model)
+        if not params:
+            raise ValueError("model has no parameters to build a SWAG posterior over")
+        if device is None:
+            device = params[0][1].device
+        self.names = [n for n, _ in params]
+        self.shapes = [tuple(p.shape) for _, p in params]
+        self.numels = [p.numel() for _, p in params]
+        self.num_parameters = sum(self.numels)
+        self.max_rank = max_rank
+        self.var_clamp = var_clamp
+        self.device = torch.device(device)
+        self.dtype = dtype
+        p_count = self.num_parameters
+        self.mean = torch.zeros(p_count, device=self.device, dtype=dtype)
+        self.sq_mean = torch.zeros(p_count, device=self.device, dtype=dtype)
+        self.deviations = torch.zeros(max_rank, p_count, device=self.device, dtype=dtype)
+        self.n_collected = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """Number of deviation rows currently stored (``K'`` = min(collected, max_rank))."""
+        return min(self.n_collected, self.max_rank)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the statistics: ``(2 + max_rank) * P * itemsize``."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return (2 + self.max_rank) * self.num_parameters * itemsize
+
+    def _check_model(self, model: nn.Module) -> list[Tensor]:
+        params = _named_parameters(model)
+        names = [n for n, _ in params]
+        if names != self.names:
+            missing = [n for n in self.names if n not in names]
+            extra = [n for n in names if n not in self.names]
+            raise ValueError(
+                "model does not match this SWAG posterior: "
+                f"missing parameters {missing[:5]}, unexpected parameters {extra[:5]}"
+                + ("" if missing or extra else " (same names in a different order)")
+            )
+        for (name, p), shape in zip(params, self.shapes, strict=True):
+            if tuple(p.shape) != shape:
+                raise ValueError(
+                    f"model does not match this SWAG posterior: parameter {name!r} has shape "
+                    f"{tuple(p.shape)}, expected {shape}"
+                )
+        return [p for _, p in params]
+
+    # -- collection ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def collect(self, model: nn.Module) -> None:
+        """Add the current parameters of ``model`` to the running moments and the deviation ring."""
+        params = self._check_model(model)
+        n = self.n_collected
+        row = self.deviations[n % self.max_rank]
+        # the flattened weights go straight into their ring slot, which then becomes the deviation
+        offset = 0
+        for p, k in zip(params, self.numels, strict=True):
+            row[offset : offset + k].copy_(p.detach().reshape(-1), non_blocking=True)
+            offset += k
+        self.mean.lerp_(row, 1.0 / (n + 1))
+        self.sq_mean.mul_(n / (n + 1)).addcmul_(row, row, value=1.0 / (n + 1))
+        row.sub_(self.mean)
+        self.n_collected = n + 1
+
+    def variance(self) -> Tensor:
+        """Diagonal variance ``clamp(sq_mean - mean^2, min=var_clamp)``."""
+        self._require_collected("variance()")
+        return torch.clamp(self.sq_mean - self.mean.square(), min=self.var_clamp)
+
+    def deviation_matrix(self) -> Tensor:
+        """The stored deviations ``D`` as a ``(K', P)`` matrix, oldest first."""
+        k = self.rank
+        if self.n_collected <= self.max_rank:
+            return self.deviations[:k]
+        start = self.n_collected % self.max_rank
+        return torch.cat([self.deviations[start:], self.deviations[:start]])
+
+    def _require_collected(self, what: str) -> None:
+        if self.n_collected == 0:
+            raise RuntimeError(f"{what} called before collect(): the SWAG posterior is empty")
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sample(
+        self,
+        scale: float = 0.5,
+        diag_only: bool = False,
+        generator: torch.Generator | None = None,
+        *,
+        model: nn.Module | None = None,
+    ) -> Tensor:
+        """Draw one flat weight vector; also load it into ``model`` when given.
+
+        ``scale`` multiplies the covariance (0 gives the SWA mean). ``diag_only`` drops the
+        low-rank term (SWAG-Diagonal; the paper uses ``scale=1`` with it). Normals are drawn with
+        ``torch.randn(..., generator=generator)``: first ``P`` for the diagonal part, then ``K'``
+        for the low-rank part, on the generator's device.
+        """
+        self._require_collected("sample()")
+        if not scale >= 0:
+            raise ValueError(f"scale must be >= 0, got {scale}")
+        if not diag_only and self.rank < 2:
+            raise ValueError(
+                "the low-rank term needs at least 2 collected models, got "
+                f"{self.n_collected}; collect more or pass diag_only=True"
+            )
+        if model is not None:
+            self._check_model(model)
+        draw_device = self.device if generator is None else generator.device
+        z1 = torch.randn(self.num_parameters, generator=generator, device=draw_device)
+        noise = self.variance().sqrt_().mul_(z1.to(self.device, self.dtype))
+        if not diag_only:
+            k = self.rank
+            z2 = torch.randn(k, generator=generator, device=draw_device)
+            z2 = z2.to(self.device, self.dtype) / (k - 1) ** 0.5
+            noise.add_(z2 @ self.deviations[:k])  # row order does not matter for D^T z2
+        theta = noise.mul_(scale**0.5).add_(self.mean)
+        if model is not None:
+            self.load_into(model, theta)
+        return theta
+
+    def mean_vector(self) -> Tensor:
+        """The SWA mean as a flat vector (a copy)."""
+        self._require_collected("mean_vector()")
+        return self.mean.clone()
+
+    def unflatten(self, vector: Tensor) -> dict[str, Tensor]:
+        """Split a flat vector into ``{parameter name: tensor}`` shaped like the parameters."""
+        if vector.shape != (self.num_parameters,):
+            raise ValueError(
+                f"expected a flat vector of {self.num_parameters} elements, got shape "
+                f"{tuple(vector.shape)}"
+            )
+        pieces = torch.split(vector, self.numels)
+        return {
+            n: t.view(s) for n, t, s in zip(self.names, pieces, self.shapes, strict=True)
+        }
+
+    @torch.no_grad()
+    def load_into(self, model: nn.Module, vector: Tensor) -> None:
+        """Copy a flat vector (from :meth:`sample`, :meth:`mean_vector`) into ``model``."""
+        params = self._check_model(model)
+        for p, t in zip(params, self.unflatten(vector).values(), strict=True):
+            p.copy_(t)
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume collection or sampling."""
+        return {
+            "names": list(self.names),
+            "shapes": [list(s) for s in self.shapes],
+            "max_rank": self.max_rank,
+            "n_collected": self.n_collected,
+            "var_clamp": self.var_clamp,
+            "mean": self.mean.clone(),
+            "sq_mean": self.sq_mean.clone(),
+            "deviations": self.deviations.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (for a posterior of the same model)."""
+        keys = ("names", "shapes", "max_rank", "n_collected", "mean", "sq_mean", "deviations")
+        for key in keys:
+            if key not in state:
+                raise KeyError(f"SWAG state dict lacks {key!r}; expected state_dict() output")
+        if list(state["names"]) != self.names or [tuple(s) for s in state["shapes"]] != self.shapes:
+            raise ValueError("SWAG state dict was saved for a model with different parameters")
+        if int(state["max_rank"]) != self.max_rank:
+            raise ValueError(
+                f"SWAG state dict has max_rank={state['max_rank']}, this posterior {self.max_rank}"
+            )
+        self.mean.copy_(state["mean"])
+        self.sq_mean.copy_(state["sq_mean"])
+        self.deviations.copy_(state["deviations"])
+        self.n_collected = int(state["n_collected"])
+        self.var_clamp = float(state.get("var_clamp", self.var_clamp))
+
+
+class MultiSWAG:
+    """Several independently trained SWAG posteriors whose samples are pooled in one average."""
+
+    def __init__(self, members: Sequence[SWAG]) -> None:
+        members = list(members)
+        if not members:
+            raise ValueError("MultiSWAG needs at least one SWAG posterior")
+        for i, m in enumerate(members):
+            if not isinstance(m, SWAG):
+                raise TypeError(f"member {i} is a {type(m).__name__}, expected SWAG")
+            if m.names != members[0].names or m.shapes != members[0].shapes:
+                raise ValueError(f"member {i} is built for a different model than member 0")
+        self.members = members
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __iter__(self) -> Iterator[SWAG]:
+        return iter(self.members)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The members' state dicts, in order."""
+        return {"members": [m.state_dict() for m in self.members]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if len(state.get("members", ())) != len(self.members):
+            raise ValueError(
+                f"state dict holds {len(state.get('members', ()))} members, this MultiSWAG "
+                f"{len(self.members)}"
+            )
+        for m, s in zip(self.members, state["members"], strict=True):
+            m.load_state_dict(s)
+
+
+@torch.no_grad()
+def _predict(
+    model: nn.Module, loader: Iterable[Any], forward: Forward, device: Any
+) -> Tensor:
+    probs = [
+        torch.softmax(forward(model, to_device(batch, device)).float(), dim=-1)
+        for batch in loader
+    ]
+    if not probs:
+        raise ValueError("bayesian_average: the loader yielded no batches")
+    return torch.cat(probs)
+
+
+def bayesian_average(
+    model: nn.Module,
+    swag: SWAG | MultiSWAG,
+    loader: Iterable[Any],
+    n_samples: int = 30,
+    *,
+    bn_loader: Iterable[Any] | None = None,
+    scale: float = 0.5,
+    diag_only: bool = False,
+    generator: torch.Generator | None = None,
+    forward: Forward | None = None,
+    device: torch.device | str | int | None = None,
+    bn_max_batches: int | None = None,
+) -> Tensor:
+    """Class probabilities on ``loader`` averaged over ``n_samples`` SWAG samples.
+
+    ``model`` (shaped like the posterior's model, returning logits) receives each sample in turn;
+    BatchNorm statistics are recomputed on ``bn_loader`` after every sample (required when the
+    model has such layers). For a :class:`MultiSWAG`, ``n_samples`` are drawn from each member and
+    all are pooled. The loader must yield the batches in the same order on every pass. The model's
+    parameters, buffers and mode are restored afterwards. Returns an ``(N, classes)`` tensor.
+    """
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be an integer >= 1, got {n_samples!r}")
+    members = list(swag) if isinstance(swag, MultiSWAG) else [swag]
+    needs_bn = has_running_stats(model)
+    if needs_bn and bn_loader is None:
+        raise ValueError(
+            "model has BatchNorm layers, whose statistics must be recomputed for each sample: "
+            "pass bn_loader (training data)"
+        )
+    call = default_forward if forward is None else forward
+    saved = copy.deepcopy(model.state_dict())
+    was_training = {m: m.training for m in model.modules()}
+    total: Tensor | None = None
+    try:
+        for member in members:
+            for _ in range(n_samples):
+                member.sample(scale, diag_only, generator, model=model)
+                if needs_bn:
+                    update_bn(bn_loader, model, forward=forward, device=device,
+                              max_batches=bn_max_batches)
+                model.eval()
+                probs = _predict(model, loader, call, device)
+                total = probs if total is None else total.add_(probs)
+    finally:
+        model.load_state_dict(saved)
+        for m, training in was_training.items():
+            m.training = training
+    assert total is not None
+    return total / (n_samples * len(members))
