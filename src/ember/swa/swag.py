@@ -149,7 +149,8 @@ class SWAG:
         ``scale`` multiplies the covariance (0 gives the SWA mean). ``diag_only`` drops the
         low-rank term (SWAG-Diagonal; the paper uses ``scale=1`` with it). Normals are drawn with
         ``torch.randn(..., generator=generator)``: first ``P`` for the diagonal part, then ``K'``
-        for the low-rank part, on the generator's device.
+        for the low-rank part (the i-th paired with the i-th oldest stored deviation), on the
+        generator's device.
         """
         self._require_collected("sample()")
         if not scale >= 0:
@@ -168,7 +169,11 @@ class SWAG:
             k = self.rank
             z2 = torch.randn(k, generator=generator, device=draw_device)
             z2 = z2.to(self.device, self.dtype) / (k - 1) ** 0.5
-            noise.add_(z2 @ self.deviations[:k])  # row order does not matter for D^T z2
+            # z2[i] pairs with the i-th oldest stored deviation; reorder it to the ring's rows
+            # rather than copying the (K, P) ring into chronological order
+            start = self.n_collected % self.max_rank if self.n_collected > self.max_rank else 0
+            ring_order = (torch.arange(k, device=self.device) - start) % k
+            noise.add_(z2[ring_order] @ self.deviations[:k])
         theta = noise.mul_(scale**0.5).add_(self.mean)
         if model is not None:
             self.load_into(model, theta)
