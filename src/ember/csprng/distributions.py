@@ -1,0 +1,585 @@
+"""Keystream words -> values: the native ember distributions on CPU.
+
+A :class:`NativeSampler` turns blocks of a :class:`~ember.csprng.stream.BlockStream` into values
+for a contiguous CPU tensor, in row-major element order. Which bytes feed which element is fixed by
+docs/csprng-stream.md (the contract the CUDA kernels reproduce); the arithmetic is done with NumPy on
+chunks small enough to stay in cache. Every method reserves a block count that depends only on the
+sizes and dtypes involved, never on the values drawn.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from .ciphers import BLOCK_BYTES
+from .stream import BlockStream, Draw
+
+CHUNK_BYTES = 1 << 18  # keystream bytes generated and transformed at a time
+_TWO_PI = 2.0 * math.pi
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+def blocks_for(nbytes: int) -> int:
+    return -(-nbytes // BLOCK_BYTES)
+
+
+def _check_dtype(op: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
+    if dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{op}: dtype {dtype} is not supported; expected one of {names}")
+
+
+def _compute(dtype: torch.dtype) -> tuple[type, type, int]:
+    """(word dtype, compute dtype, bits) for transcendental transforms of ``dtype``."""
+    if dtype == torch.float64:
+        return np.uint64, np.float64, 53
+    return np.uint32, np.float32, 24
+
+
+def _flat_np(out: torch.Tensor) -> np.ndarray | None:
+    """A NumPy view of ``out`` when NumPy has its dtype (every dtype but bfloat16)."""
+    if out.dtype == torch.bfloat16:
+        return None
+    return out.view(-1).numpy()
+
+
+def _chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type):
+    """Yield ``(lo, hi, words)``: the keystream words of items ``lo..hi`` of the draw, in order."""
+    wbytes = np.dtype(word_dtype).itemsize * words_per_item
+    step = max(CHUNK_BYTES // wbytes, 1)
+    buf = np.empty(min(n, step) * words_per_item, dtype=np.dtype(word_dtype).newbyteorder("<"))
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        w = buf[: (hi - lo) * words_per_item]
+        draw.fill(memoryview(w.view(np.uint8)))
+        yield lo, hi, w
+
+
+class _Sink:
+    """Writes float/int/bool chunks into ``out`` (directly when NumPy has its dtype)."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out.view(-1)
+        self.np = _flat_np(out)
+
+    def write(self, lo: int, hi: int, values: np.ndarray) -> None:
+        if self.np is not None:
+            np.copyto(self.np[lo:hi], values, casting="unsafe")
+        else:
+            self.out[lo:hi].copy_(torch.from_numpy(values))
+
+    def direct(self, lo: int, hi: int, dtype: type) -> np.ndarray | None:
+        """The output slice itself when it has exactly ``dtype`` (so transforms can write in place)."""
+        if self.np is not None and self.np.dtype == dtype:
+            return self.np[lo:hi]
+        return None
+
+
+class NativeSampler:
+    """The native ember distributions over a :class:`BlockStream`."""
+
+    def __init__(self, stream: BlockStream) -> None:
+        self.stream = stream
+
+    def _draw(self, nbytes: int) -> Draw:
+        return self.stream.draw(blocks_for(nbytes))
+
+    # ------------------------------------------------------------------ uniform floats
+    def uniform_(self, out: torch.Tensor, a: float = 0.0, b: float = 1.0) -> None:
+        _check_dtype("uniform_", out.dtype, FLOAT_DTYPES)
+        a, b = float(a), float(b)
+        if not (math.isfinite(a) and math.isfinite(b)):
+            raise ValueError(f"uniform_: from and to must be finite, got from={a}, to={b}")
+        if a > b:
+            raise ValueError(f"uniform_: expected from <= to, got from={a}, to={b}")
+        if not math.isfinite(b - a):
+            raise ValueError(f"uniform_: to - from must be finite, got {b - a}")
+        n = out.numel()
+        bits = _MANTISSA_BITS[out.dtype]
+        if out.dtype == torch.float64:
+            word, cd = np.uint64, np.float64
+        elif out.dtype == torch.float32:
+            word, cd = np.uint32, np.float32
+        else:  # 16-bit floats: one 16-bit word per value, exactly on the dtype's grid
+            word, cd = np.uint16, np.float32
+        draw = self._draw(n * np.dtype(word).itemsize)
+        if n == 0:
+            return
+        mask = word((1 << bits) - 1)
+        scale = cd((b - a) * 2.0**-bits)
+        shift = cd(a)
+        sink = _Sink(out)
+        for lo, hi, w in _chunks(draw, n, 1, word):
+            np.bitwise_and(w, mask, out=w)
+            dst = sink.direct(lo, hi, cd)
+            tmp = dst if dst is not None else np.empty(hi - lo, cd)
+            np.multiply(w, scale, out=tmp, dtype=cd, casting="unsafe")
+            if shift != 0:
+                np.add(tmp, shift, out=tmp)
+            if dst is None:
+                sink.write(lo, hi, tmp)
+        if not (a == 0.0 and b == 1.0):
+            if a == b:
+                out.fill_(a)
+            else:
+                out.clamp_(max=_below(b, out.dtype))
+
+    # ------------------------------------------------------------------ normal family
+    def normal_(self, out: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> None:
+        _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
+        mean, std = float(mean), float(std)
+        if not std >= 0.0:
+            raise ValueError(f"normal_: expected std >= 0, got {std}")
+        self._normal(out, mean, std, log=False)
+
+    def log_normal_(self, out: torch.Tensor, mean: float = 1.0, std: float = 2.0) -> None:
+        _check_dtype("log_normal_", out.dtype, FLOAT_DTYPES)
+        mean, std = float(mean), float(std)
+        if not std > 0.0:
+            raise ValueError(f"log_normal_: expected std > 0, got {std}")
+        self._normal(out, mean, std, log=True)
+
+    def _normal(self, out: torch.Tensor, mean: float, std: float, log: bool) -> None:
+        n = out.numel()
+        word, cd, bits = _compute(out.dtype)
+        pairs = (n + 1) // 2
+        draw = self._draw(pairs * 2 * np.dtype(word).itemsize)
+        if n == 0:
+            return
+        mask = word((1 << bits) - 1)
+        unit = cd(2.0**-bits)
+        angle = cd(_TWO_PI * 2.0**-bits)
+        affine = not (mean == 0.0 and std == 1.0)
+        mean_c, std_c = cd(mean), cd(std)
+        sink = _Sink(out)
+        step = max(CHUNK_BYTES // (2 * np.dtype(word).itemsize), 1)
+        iw = np.empty(min(pairs, step), word)
+        r = np.empty(min(pairs, step), cd)
+        th = np.empty_like(r)
+        tr = np.empty_like(r)
+        for plo, phi, w in _chunks(draw, pairs, 2, word):
+            m = phi - plo
+            lo, hi = 2 * plo, min(2 * phi, n)
+            iwc, rc, thc, trc = iw[:m], r[:m], th[:m], tr[:m]
+            # radius from u1 = (k + 1) * 2**-bits in (0, 1]; angle from u2 = k * 2**-bits
+            np.bitwise_and(w[0::2], mask, out=iwc)
+            np.add(iwc, 1, out=iwc)
+            np.multiply(iwc, unit, out=rc, dtype=cd, casting="unsafe")
+            np.log(rc, out=rc)
+            np.multiply(rc, cd(-2.0), out=rc)
+            np.sqrt(rc, out=rc)
+            np.bitwise_and(w[1::2], mask, out=iwc)
+            np.multiply(iwc, angle, out=thc, dtype=cd, casting="unsafe")
+            dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
+            z = dst if dst is not None else np.empty(2 * m, cd)
+            np.cos(thc, out=trc)
+            np.multiply(rc, trc, out=z[0::2])
+            np.sin(thc, out=thc)
+            np.multiply(rc, thc, out=z[1::2])
+            if affine:
+                np.multiply(z, std_c, out=z)
+                np.add(z, mean_c, out=z)
+            if log:
+                np.exp(z, out=z)
+            if dst is None:
+                sink.write(lo, hi, z[: hi - lo])
+
+    # ------------------------------------------------------------------ other continuous
+    def _unit_open(self, out: torch.Tensor, op: str, offset: float, transform) -> None:
+        """Fill ``out`` with ``transform(u)``, u = (k + offset) * 2**-bits, k the masked word."""
+        _check_dtype(op, out.dtype, FLOAT_DTYPES)
+        n = out.numel()
+        word, cd, bits = _compute(out.dtype)
+        draw = self._draw(n * np.dtype(word).itemsize)
+        if n == 0:
+            return
+        if offset != 1.0:  # k + offset must stay exact and below 2**bits: one bit fewer
+            bits -= 1
+        mask = word((1 << bits) - 1)
+        unit = cd(2.0**-bits)
+        sink = _Sink(out)
+        for lo, hi, w in _chunks(draw, n, 1, word):
+            np.bitwise_and(w, mask, out=w)
+            dst = sink.direct(lo, hi, cd)
+            u = dst if dst is not None else np.empty(hi - lo, cd)
+            np.add(w, cd(offset), out=u, dtype=cd, casting="unsafe")
+            np.multiply(u, unit, out=u)
+            transform(u, cd)
+            if dst is None:
+                sink.write(lo, hi, u)
+
+    def exponential_(self, out: torch.Tensor, lambd: float = 1.0) -> None:
+        lambd = float(lambd)
+        if not lambd > 0.0:
+            raise ValueError(f"exponential_: expected lambd > 0, got {lambd}")
+
+        def tf(u: np.ndarray, cd: type) -> None:  # -log(u) / lambd, u in (0, 1]
+            np.log(u, out=u)
+            np.multiply(u, cd(-1.0 / lambd), out=u)
+
+        self._unit_open(out, "exponential_", 1.0, tf)
+
+    def cauchy_(self, out: torch.Tensor, median: float = 0.0, sigma: float = 1.0) -> None:
+        median, sigma = float(median), float(sigma)
+        if not sigma > 0.0:
+            raise ValueError(f"cauchy_: expected sigma > 0, got {sigma}")
+
+        def tf(u: np.ndarray, cd: type) -> None:  # median + sigma * tan(pi * (u - 1/2)), u in (0, 1)
+            np.subtract(u, cd(0.5), out=u)
+            np.multiply(u, cd(math.pi), out=u)
+            np.tan(u, out=u)
+            np.multiply(u, cd(sigma), out=u)
+            np.add(u, cd(median), out=u)
+
+        self._unit_open(out, "cauchy_", 0.5, tf)
+
+    def geometric_(self, out: torch.Tensor, p: float) -> None:
+        _check_dtype("geometric_", out.dtype, FLOAT_DTYPES + _INT_DTYPES)
+        p = float(p)
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"geometric_: expected p in (0, 1], got {p}")
+        n = out.numel()
+        draw = self._draw(n * 8)
+        if n == 0:
+            return
+        if p == 1.0:
+            out.fill_(1)  # the blocks stay reserved, so the position moves as usual
+            return
+        denom = math.log1p(-p)
+        limit = _max_value(out.dtype)
+        sink = _Sink(out)
+        mask = np.uint64((1 << 52) - 1)
+        for lo, hi, w in _chunks(draw, n, 1, np.uint64):
+            np.bitwise_and(w, mask, out=w)
+            u = w.astype(np.float64)  # u = (k + 1/2) * 2**-52, exactly, in (0, 1)
+            np.add(u, 0.5, out=u)
+            np.multiply(u, 2.0**-52, out=u)
+            np.log(u, out=u)
+            np.divide(u, denom, out=u)
+            np.ceil(u, out=u)
+            np.minimum(u, limit, out=u)
+            sink.write(lo, hi, u)
+
+    # ------------------------------------------------------------------ integers
+    def random_(self, out: torch.Tensor) -> None:
+        """``random_()`` with no range: torch's default range for the dtype."""
+        low, high = default_range(out.dtype)
+        self.random_range_(out, low, high)
+
+    def random_range_(self, out: torch.Tensor, low: int, high: int) -> None:
+        """Uniform integers in ``[low, high)``, exactly unbiased."""
+        dtype = out.dtype
+        _check_dtype("random_", dtype, (torch.bool,) + _INT_DTYPES + FLOAT_DTYPES)
+        low, high = int(low), int(high)
+        if high <= low:
+            raise ValueError(f"random_: expected from < to, got from={low}, to={high}")
+        dmin, dmax = representable_range(dtype)
+        if low < dmin or high - 1 > dmax:
+            raise ValueError(
+                f"random_: range [{low}, {high}) does not fit dtype {dtype} "
+                f"(representable integers {dmin}..{dmax})"
+            )
+        n = out.numel()
+        r = high - low
+        wide = r > 1 << 32
+        draw = self._draw(n * (8 if wide else 4))
+        if n == 0:
+            return
+        dst = out.view(-1).numpy().view(np.uint64) if dtype == torch.int64 else None
+        sink = None if dst is not None else _Sink(out)
+        offset = np.uint64(low % (1 << 64))
+        rejected: list[np.ndarray] = []
+        word = np.uint64 if wide else np.uint32
+        for lo, hi, w in _chunks(draw, n, 1, word):
+            x = dst[lo:hi] if dst is not None else np.empty(hi - lo, np.uint64)
+            bad = _bounded(w, r, x)
+            if bad is not None:
+                rejected.append(bad + lo)
+            np.add(x, offset, out=x)
+            if dst is None:
+                sink.write(lo, hi, x.view(np.int64))
+        if rejected:
+            self._refill_integers(draw, np.concatenate(rejected), r, offset, out, dst, sink)
+
+    def _refill_integers(self, draw: Draw, positions: np.ndarray, r: int, offset: np.uint64,
+                         out: torch.Tensor, dst, sink) -> None:
+        """Replace rejected values, in position order, from the draw's refill stream."""
+        refill = NativeSampler(draw.refill_stream())
+        wide = r > 1 << 32
+        word = np.uint64 if wide else np.uint32
+        while positions.size:
+            d = refill._draw(positions.size * (8 if wide else 4))
+            w = np.empty(positions.size, word)
+            d.fill(memoryview(w.view(np.uint8)))
+            x = np.empty(positions.size, np.uint64)
+            bad = _bounded(w, r, x)
+            np.add(x, offset, out=x)
+            keep = np.ones(positions.size, bool)
+            if bad is not None:
+                keep[bad] = False
+            if dst is not None:
+                dst[positions[keep]] = x[keep]
+            else:
+                flat = out.view(-1)
+                flat[torch.from_numpy(positions[keep])] = torch.from_numpy(
+                    x[keep].view(np.int64)).to(flat.dtype)
+            positions = positions[~keep]
+
+    # ------------------------------------------------------------------ bernoulli
+    def bernoulli_(self, out: torch.Tensor, p: float | torch.Tensor = 0.5) -> None:
+        """1 with probability p, else 0: compares a 64-bit word with floor(p * 2**64)."""
+        _check_dtype("bernoulli_", out.dtype, (torch.bool,) + _INT_DTYPES + FLOAT_DTYPES)
+        n = out.numel()
+        if isinstance(p, torch.Tensor):
+            if p.is_complex() or not (p.is_floating_point() or p.dtype == torch.bool):
+                raise TypeError(f"bernoulli_: p must be a floating-point tensor, got {p.dtype}")
+            try:
+                pt = p.detach().to("cpu", torch.float64).expand(out.shape).contiguous().view(-1)
+            except RuntimeError as exc:
+                raise ValueError(f"bernoulli_: p of shape {tuple(p.shape)} does not broadcast "
+                                 f"to the output shape {tuple(out.shape)}") from exc
+            pn = pt.numpy()
+            if not ((pn >= 0.0) & (pn <= 1.0)).all():
+                raise ValueError("bernoulli_: expected all probabilities in [0, 1]")
+        else:
+            p = float(p)
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"bernoulli_: expected p in [0, 1], got {p}")
+            pn = None
+        draw = self._draw(n * 8)
+        if n == 0:
+            return
+        if pn is None and p in (0.0, 1.0):
+            out.fill_(p == 1.0)  # the blocks stay reserved, so the position moves as usual
+            return
+        sink = _Sink(out)
+        thr_scalar = np.uint64(math.floor(math.ldexp(p, 64))) if pn is None else None
+        res = np.empty(min(n, CHUNK_BYTES // 8), bool)
+        for lo, hi, w in _chunks(draw, n, 1, np.uint64):
+            rc = res[: hi - lo]
+            if thr_scalar is not None:
+                np.less(w, thr_scalar, out=rc)
+            else:
+                pc = pn[lo:hi]
+                ones = pc >= 1.0
+                thr = np.ldexp(np.where(ones, 0.0, pc), 64).astype(np.uint64)
+                np.less(w, thr, out=rc)
+                rc |= ones
+            sink.write(lo, hi, rc)
+
+    # ------------------------------------------------------------------ permutations
+    def randperm_(self, out: torch.Tensor) -> None:
+        """An exactly uniform permutation of ``0..n-1``: sort by 32-bit keys, shuffle ties."""
+        _check_dtype("randperm", out.dtype, _INT_DTYPES + FLOAT_DTYPES)
+        n = out.numel()
+        if n - 1 > representable_range(out.dtype)[1]:
+            raise ValueError(f"randperm: n={n} is too large for dtype {out.dtype}")
+        draw = self._draw(n * 4)
+        if n == 0:
+            return
+        keys = torch.empty(n, dtype=torch.int32)
+        draw.fill(memoryview(keys.numpy().view(np.uint8)))
+        if n == 1:
+            out.view(-1).fill_(0)
+            return
+        skeys, idx = torch.sort(keys, stable=True)
+        sk, ix = skeys.numpy(), idx.numpy()
+        eq = sk[1:] == sk[:-1]
+        if eq.any():
+            _shuffle_ties(draw, ix, eq)
+        out.view(-1).copy_(idx)
+
+    # ------------------------------------------------------------------ multinomial / poisson
+    def multinomial(self, probs: torch.Tensor, num_samples: int, replacement: bool = False
+                    ) -> torch.Tensor:
+        """Category indices drawn from each row of ``probs`` (weights, not necessarily normalised)."""
+        if probs.dim() not in (1, 2):
+            raise ValueError(f"multinomial: prob_dist must be 1 or 2 dim, got {probs.dim()} dims")
+        if not probs.is_floating_point():
+            raise TypeError(f"multinomial: expected a floating-point input, got {probs.dtype}")
+        num_samples = int(num_samples)
+        if num_samples <= 0:
+            raise ValueError(f"multinomial: num_samples must be positive, got {num_samples}")
+        p = probs.detach().to("cpu", torch.float64).reshape(-1, probs.shape[-1])
+        rows, k = p.shape
+        if k == 0:
+            raise ValueError("multinomial: the input has no categories")
+        pn = p.numpy()
+        if not np.isfinite(pn).all() or (pn < 0).any():
+            raise ValueError("multinomial: probabilities must be finite and non-negative")
+        sums = pn.sum(axis=1)
+        if (sums <= 0).any():
+            raise ValueError("multinomial: every row must have a positive sum")
+        if not replacement:
+            if num_samples > k:
+                raise ValueError(f"multinomial: cannot take num_samples={num_samples} > "
+                                 f"{k} categories without replacement")
+            if ((pn > 0).sum(axis=1) < num_samples).any():
+                raise ValueError("multinomial: fewer non-zero categories than num_samples "
+                                 "without replacement")
+        nwords = rows * (num_samples if replacement else k)
+        w = np.empty(nwords, "<u8")
+        self._draw(nwords * 8).fill(memoryview(w.view(np.uint8)))
+        u = (w & np.uint64((1 << 53) - 1)).astype(np.float64)
+        if replacement:
+            # inversion: u in [0, 1) against the normalised cumulative weights of each row
+            np.multiply(u, 2.0**-53, out=u)
+            u = u.reshape(rows, num_samples)
+            cdf = np.cumsum(pn, axis=1) / sums[:, None]
+            last = k - 1 - np.argmax(pn[:, ::-1] > 0, axis=1)
+            res = np.empty((rows, num_samples), np.int64)
+            for i in range(rows):
+                res[i] = np.minimum(np.searchsorted(cdf[i], u[i], side="right"), last[i])
+        else:
+            # exponential races: the order of E_i / w_i is a draw without replacement
+            np.add(u, 1.0, out=u)
+            np.multiply(u, 2.0**-53, out=u)
+            keys = -np.log(u).reshape(rows, k)
+            with np.errstate(divide="ignore"):
+                keys = np.where(pn > 0, keys / np.where(pn > 0, pn, 1.0), np.inf)
+            order = np.argsort(keys, axis=1, kind="stable")
+            res = np.ascontiguousarray(order[:, :num_samples]).astype(np.int64)
+        t = torch.from_numpy(res)
+        return t.view(num_samples) if probs.dim() == 1 else t
+
+    def poisson(self, rates: torch.Tensor) -> torch.Tensor:
+        """Poisson counts with the given rates, by inversion of the exact CDF."""
+        if not rates.is_floating_point():
+            raise TypeError(f"poisson: expected a floating-point rate tensor, got {rates.dtype}")
+        lam = rates.detach().to("cpu", torch.float64).contiguous().view(-1)
+        ln = lam.numpy()
+        if not np.isfinite(ln).all() or (ln < 0).any():
+            raise ValueError("poisson: rates must be finite and non-negative")
+        n = ln.size
+        w = np.empty(n, "<u8")
+        self._draw(n * 8).fill(memoryview(w.view(np.uint8)))
+        u = torch.from_numpy((w & np.uint64((1 << 53) - 1)).astype(np.float64) * 2.0**-53)
+        k = _poisson_inverse(lam, u)
+        return k.to(rates.dtype).view(rates.shape)
+
+
+def _poisson_inverse(lam: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The smallest k with P(X <= k) > u for X ~ Poisson(lam), elementwise."""
+    k = torch.zeros_like(lam)
+    pos = lam > 0
+    if not bool(pos.any()):
+        return k
+    lp, up = lam[pos], u[pos]
+    # start near the answer (normal approximation with a skew term), then step to it exactly
+    z = torch.special.ndtri(up.clamp(1e-300, 1 - 1e-16))
+    guess = torch.floor(lp + lp.sqrt() * z + (z * z - 1) / 6).clamp_(min=0)
+
+    def cdf(kk: torch.Tensor, ll: torch.Tensor) -> torch.Tensor:
+        return torch.special.gammaincc(kk + 1, ll)
+
+    kk = guess
+    for _ in range(10_000):
+        low = cdf(kk, lp) <= up  # P(X <= k) <= u: answer is above k
+        if not bool(low.any()):
+            break
+        kk = torch.where(low, kk + 1, kk)
+    for _ in range(10_000):
+        high = (kk > 0) & (cdf(kk - 1, lp) > up)  # answer is at or below k - 1
+        if not bool(high.any()):
+            break
+        kk = torch.where(high, kk - 1, kk)
+    k[pos] = kk
+    return k
+
+
+def _bounded(w: np.ndarray, r: int, x: np.ndarray) -> np.ndarray | None:
+    """Write floor(w * r / 2**W) into ``x`` (uint64); return the indices to reject, if any.
+
+    W is the word width (32 or 64 bits). Power-of-two ranges take the low bits and never reject.
+    Other ranges use Lemire's multiply-and-reject: a word is rejected when the low W bits of the
+    product fall below 2**W mod r, which makes every value exactly equally likely.
+    """
+    bits = w.dtype.itemsize * 8
+    if r & (r - 1) == 0:
+        np.bitwise_and(w, w.dtype.type(r - 1) if r < 1 << bits else w.dtype.type(-1), out=x,
+                       casting="unsafe")
+        return None
+    if bits == 32:
+        np.multiply(w, np.uint64(r), out=x)
+        low = np.multiply(w, np.uint32(r))  # the low 32 bits of the product (wrapping)
+        np.right_shift(x, np.uint64(32), out=x)
+        bad = low < np.uint32((1 << 32) % r)
+    else:
+        hi, low = _mul64(w, r)
+        x[...] = hi
+        bad = low < np.uint64((1 << 64) % r)
+    return np.flatnonzero(bad) if bad.any() else None
+
+
+def _mul64(w: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """(high, low) 64-bit halves of the 128-bit products w * r, for uint64 w and r < 2**64."""
+    m32 = np.uint64(0xFFFFFFFF)
+    s32 = np.uint64(32)
+    wl, wh = w & m32, w >> s32
+    rl, rh = np.uint64(r & 0xFFFFFFFF), np.uint64(r >> 32)
+    ll, lh, hl, hh = wl * rl, wl * rh, wh * rl, wh * rh
+    mid = (ll >> s32) + (lh & m32) + (hl & m32)
+    high = hh + (lh >> s32) + (hl >> s32) + (mid >> s32)
+    low = (mid << s32) | (ll & m32)
+    return high, low
+
+
+def _shuffle_ties(draw: Draw, ix: np.ndarray, eq: np.ndarray) -> None:
+    """Shuffle, uniformly and in place, each run of ``ix`` whose sort keys were equal."""
+    tied = np.zeros(ix.size, bool)
+    tied[1:] |= eq
+    tied[:-1] |= eq
+    pos = np.flatnonzero(tied)
+    starts = np.ones(pos.size, bool)
+    starts[1:] = ~eq[pos[1:] - 1]
+    group = np.cumsum(starts)
+    refill = NativeSampler(draw.refill_stream())
+    while True:
+        d = refill._draw(pos.size * 8)
+        keys = np.empty(pos.size, "<u8")
+        d.fill(memoryview(keys.view(np.uint8)))
+        order = np.lexsort((keys, group))
+        ks, gs = keys[order], group[order]
+        if not ((ks[1:] == ks[:-1]) & (gs[1:] == gs[:-1])).any():
+            break
+    ix[pos] = ix[pos][order]
+
+
+@functools.lru_cache(maxsize=256)
+def _below(b: float, dtype: torch.dtype) -> float:
+    """The largest value of ``dtype`` strictly below ``b``."""
+    t = torch.tensor(b, dtype=dtype)
+    return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype)))
+
+
+def representable_range(dtype: torch.dtype) -> tuple[int, int]:
+    """The integers ``dtype`` holds exactly (for floats: the contiguous range ±2**digits)."""
+    if dtype == torch.bool:
+        return 0, 1
+    if dtype in _MANTISSA_BITS:
+        m = 1 << _MANTISSA_BITS[dtype]
+        return -m, m
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+def default_range(dtype: torch.dtype) -> tuple[int, int]:
+    """torch's ``random_()`` range ``[0, high)`` for ``dtype``."""
+    if dtype == torch.bool:
+        return 0, 2
+    if dtype in _MANTISSA_BITS:
+        return 0, (1 << _MANTISSA_BITS[dtype]) + 1
+    return 0, torch.iinfo(dtype).max + 1
+
+
+def _max_value(dtype: torch.dtype) -> float:
+    if dtype in _MANTISSA_BITS:
+        return math.inf
+    return float(torch.iinfo(dtype).max)

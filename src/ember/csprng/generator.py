@@ -1,0 +1,319 @@
+"""``ember.csprng.Generator``: a ``torch.Generator`` whose values come from a cryptographic stream.
+
+The object is a real ``torch.Generator`` so that torch accepts it wherever it takes ``generator=``;
+:mod:`ember.csprng.torch_adapter` routes those calls to the generator's sampler. The inherited
+(Mersenne Twister) state is never used for output: it is fixed at construction and checked on every
+ember call, so a torch path that consumed it anyway is reported instead of silently producing
+non-secure numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from typing import Any
+
+import torch
+
+from .ciphers import cipher_names
+from .distributions import NativeSampler
+from .stream import (
+    BlockStream,
+    check_key,
+    derive_key,
+    forget_fork_rekey,
+    key_from_seed,
+    rekey_after_fork,
+)
+
+_MAGIC = b"EMBR"
+_VERSION = 1
+_HEADER = 64
+KINDS = ("random_device", "seeded", "keyed", "derived", "mt19937")
+_GUARD_SEED = 0x656D626572  # seeds the unused inherited state; any draw from it changes the state
+
+
+class InheritedStateUsed(RuntimeError):
+    """A torch function drew from the generator's inherited (non-secure) torch state."""
+
+
+class Generator(torch.Generator):
+    """A cryptographically secure generator: AES-128 in counter mode over a 128-bit counter.
+
+    Construct it with :func:`create_random_device_generator` (key from the OS), with
+    :func:`create_generator` (key derived from a seed, reproducible) or with
+    :func:`create_mt19937_generator` (torchcsprng-compatible streams). ``Generator()`` alone is a
+    random-device generator.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # CPU; extra arguments cannot be forwarded to torch.Generator
+        torch.Generator.manual_seed(self, _GUARD_SEED)
+        self._guard = bytes(torch.Generator.get_state(self).numpy())
+        self._lock = threading.Lock()
+        self._spawned = 0
+        self._seed: int | None = None
+        self.allow_pickle = False
+        self._from_os = False
+        self._configure_os(cipher="aes128")
+
+    # ------------------------------------------------------------------ configuration
+    def _configure_os(self, cipher: str) -> None:
+        self._set_stream("random_device", os.urandom(16), 0, cipher, from_os=True)
+
+    def _set_stream(self, kind: str, key: bytes, counter: int, cipher: str,
+                    from_os: bool = False, seed: int | None = None) -> None:
+        old = getattr(self, "_stream", None)
+        if old is not None:
+            forget_fork_rekey(old)
+        self._kind = kind
+        self._seed = seed
+        self._stream = BlockStream(key, counter, cipher)
+        self._sampler: Any = NativeSampler(self._stream)
+        self._from_os = from_os
+        if from_os:
+            rekey_after_fork(self._stream)
+
+    def _set_compat(self, sampler: Any) -> None:
+        old = getattr(self, "_stream", None)
+        if old is not None:
+            forget_fork_rekey(old)
+        self._kind = "mt19937"
+        self._stream = None
+        self._sampler = sampler
+        self._from_os = False
+        self._seed = sampler.initial_seed
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def kind(self) -> str:
+        """How the key was made: one of ``random_device``, ``seeded``, ``keyed``, ``derived``,
+        ``mt19937``."""
+        return self._kind
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether the stream can be re-created from a seed or saved state (not OS-keyed)."""
+        return not self._from_os
+
+    @property
+    def cipher(self) -> str:
+        return "aes128" if self._stream is None else self._stream.cipher_name
+
+    @property
+    def counter(self) -> int:
+        """The next unused block counter (0 for the torchcsprng-compatible kind)."""
+        return 0 if self._stream is None else self._stream.counter
+
+    def sampler(self) -> Any:
+        """The sampler that produces this generator's values, after checking the inherited state."""
+        if bytes(torch.Generator.get_state(self).numpy()) != self._guard:
+            torch.Generator.set_state(self, _guard_state())
+            raise InheritedStateUsed(
+                "a torch function drew from this ember.csprng.Generator's inherited torch "
+                "(Mersenne Twister) state, so its output was NOT cryptographically secure. "
+                "That function is not routed to ember; call it without generator=g or use an "
+                "ember-supported function (see docs/csprng.md, 'torch integration')."
+            )
+        return self._sampler
+
+    # ------------------------------------------------------------------ torch.Generator API
+    def manual_seed(self, seed: int) -> Generator:  # type: ignore[override]
+        """Re-key deterministically from ``seed`` (an int in [0, 2**128)) at counter 0."""
+        seed = int(seed)
+        if self._kind == "mt19937":
+            from .compat import MT19937Sampler
+
+            self._set_compat(MT19937Sampler(seed))
+            return self
+        self._set_stream("seeded", key_from_seed(seed), 0, self.cipher, seed=seed)
+        return self
+
+    def seed(self) -> int:  # type: ignore[override]
+        """Re-key from a fresh 128-bit seed taken from the OS; returns the seed."""
+        seed = int.from_bytes(os.urandom(16), "little")
+        if self._kind == "mt19937":
+            seed &= 0xFFFFFFFF
+        self.manual_seed(seed)
+        return seed
+
+    def initial_seed(self) -> int:  # type: ignore[override]
+        """The seed the current key was derived from."""
+        if self._seed is None:
+            raise RuntimeError(
+                f"this ember.csprng.Generator (kind={self._kind!r}) was keyed directly, not from "
+                "a seed, so it has no initial seed; save and restore it with get_state()/"
+                "set_state() instead"
+            )
+        return self._seed
+
+    def get_state(self) -> torch.Tensor:  # type: ignore[override]
+        """The full state (kind, key, counter, spawn count, seed) as a uint8 tensor."""
+        return torch.frombuffer(bytearray(self._state_bytes()), dtype=torch.uint8)
+
+    def set_state(self, new_state: torch.Tensor) -> Generator:  # type: ignore[override]
+        """Restore a state returned by :meth:`get_state` (of any ember generator)."""
+        if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
+            raise TypeError("set_state: expected a uint8 tensor from ember's get_state()")
+        self._load_state_bytes(bytes(new_state.contiguous().cpu().numpy()))
+        return self
+
+    def graphsafe_get_state(self):  # type: ignore[override]
+        raise NotImplementedError("ember.csprng.Generator has no CUDA-graph state")
+
+    def graphsafe_set_state(self, state):  # type: ignore[override]
+        raise NotImplementedError("ember.csprng.Generator has no CUDA-graph state")
+
+    def clone_state(self):  # type: ignore[override]
+        raise NotImplementedError("use get_state()/set_state() to copy an ember.csprng state")
+
+    # ------------------------------------------------------------------ substreams
+    def fold_in(self, index: int) -> Generator:
+        """An independent generator for ``index`` (a rank, worker or step): a pure function of
+        this generator's key and ``index``; this generator is unchanged."""
+        return self._child("fold_in", int(index))
+
+    def spawn(self, n: int) -> list[Generator]:
+        """``n`` new independent generators; each call returns different ones."""
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"spawn: n must be non-negative, got {n}")
+        with self._lock:
+            first, self._spawned = self._spawned, self._spawned + n
+        return [self._child("spawn", first + i) for i in range(n)]
+
+    def _child(self, label: str, index: int) -> Generator:
+        if self._stream is None:
+            raise NotImplementedError(
+                "the torchcsprng-compatible generator has no substreams; use create_generator")
+        child = Generator.__new__(Generator)
+        Generator.__init__(child)
+        child._set_stream("derived", derive_key(self._stream.key, label, index), 0, self.cipher,
+                          from_os=self._from_os)
+        child.allow_pickle = self.allow_pickle
+        return child
+
+    # ------------------------------------------------------------------ persistence
+    def _state_bytes(self) -> bytes:
+        flags = (self.allow_pickle << 0) | (self._from_os << 1) | ((self._seed is not None) << 2)
+        head = bytearray(_HEADER)
+        head[0:4] = _MAGIC
+        head[4] = _VERSION
+        head[5] = KINDS.index(self._kind)
+        head[6] = flags
+        head[7] = cipher_names().index(self.cipher) if self._stream is not None else 0
+        if self._stream is not None:
+            head[8:24] = self._stream.key
+            head[24:40] = self._stream.counter.to_bytes(16, "little")
+        head[40:48] = self._spawned.to_bytes(8, "little")
+        if self._seed is not None:
+            head[48:64] = (self._seed % (1 << 128)).to_bytes(16, "little")
+        tail = self._sampler.state_bytes() if self._stream is None else b""
+        return bytes(head) + tail
+
+    def _load_state_bytes(self, data: bytes) -> None:
+        if len(data) < _HEADER or data[0:4] != _MAGIC:
+            raise ValueError("set_state: not an ember.csprng state (bad magic or length)")
+        if data[4] != _VERSION:
+            raise ValueError(f"set_state: unsupported state version {data[4]}")
+        if data[5] >= len(KINDS):
+            raise ValueError(f"set_state: unknown generator kind code {data[5]}")
+        kind, flags = KINDS[data[5]], data[6]
+        seed = int.from_bytes(data[48:64], "little") if flags & 4 else None
+        if kind == "mt19937":
+            from .compat import MT19937Sampler
+
+            sampler = MT19937Sampler(seed)
+            sampler.load_state_bytes(data[_HEADER:])
+            self._set_compat(sampler)
+        else:
+            if len(data) != _HEADER:
+                raise ValueError(f"set_state: expected {_HEADER} bytes, got {len(data)}")
+            names = cipher_names()
+            if data[7] >= len(names):
+                raise ValueError(f"set_state: unknown cipher code {data[7]}")
+            counter = int.from_bytes(data[24:40], "little")
+            self._set_stream(kind, bytes(data[8:24]), counter, names[data[7]],
+                             from_os=bool(flags & 2), seed=seed)
+        self.allow_pickle = bool(flags & 1)
+        self._spawned = int.from_bytes(data[40:48], "little")
+
+    def __reduce_ex__(self, protocol: int):
+        if self._from_os and not self.allow_pickle:
+            raise pickle.PicklingError(
+                "refusing to pickle/copy an OS-keyed ember.csprng.Generator: a copy would repeat "
+                "its secret stream. Set g.allow_pickle = True if that is really intended."
+            )
+        return (_from_state_bytes, (self._state_bytes(),))
+
+    def __repr__(self) -> str:
+        return (f"ember.csprng.Generator(kind={self._kind!r}, cipher={self.cipher!r}, "
+                f"counter={self.counter})")
+
+
+def _from_state_bytes(data: bytes) -> Generator:
+    g = Generator()
+    g._load_state_bytes(data)
+    return g
+
+
+def _guard_state() -> torch.Tensor:
+    g = torch.Generator()
+    g.manual_seed(_GUARD_SEED)
+    return g.get_state()
+
+
+# ---------------------------------------------------------------------- constructors
+def create_random_device_generator(token: str | None = None, *, cipher: str = "aes128",
+                                   allow_pickle: bool = False) -> Generator:
+    """A generator keyed from the operating system's CSPRNG (``os.urandom``).
+
+    ``token`` is accepted for torchcsprng compatibility and ignored (the OS source is always used).
+    The stream is not reproducible; a forked child process gets a fresh key.
+    """
+    if token is not None and not isinstance(token, str):
+        raise TypeError(f"token must be a str or None, got {type(token).__name__}")
+    g = Generator()
+    g._configure_os(cipher)
+    g.allow_pickle = bool(allow_pickle)
+    return g
+
+
+def create_generator(seed: int | None = None, *, key: bytes | torch.Tensor | None = None,
+                     cipher: str = "aes128") -> Generator:
+    """A reproducible generator: its key is derived from ``seed`` (documented KDF) or given.
+
+    With neither ``seed`` nor ``key``, a fresh 128-bit seed is taken from the OS and is available
+    from :meth:`Generator.initial_seed`, so the run can be repeated.
+    """
+    if seed is not None and key is not None:
+        raise ValueError("create_generator: give seed or key, not both")
+    g = Generator()
+    if key is not None:
+        if isinstance(key, torch.Tensor):
+            key = bytes(key.detach().contiguous().cpu().view(torch.uint8).numpy())
+        g._set_stream("keyed", check_key(key), 0, cipher)
+    else:
+        if seed is None:
+            seed = int.from_bytes(os.urandom(16), "little")
+        g._set_stream("seeded", key_from_seed(seed), 0, cipher, seed=seed)
+    return g
+
+
+def create_mt19937_generator(seed: int | None = None) -> Generator:
+    """A generator reproducing torchcsprng's ``create_mt19937_generator(seed)`` streams.
+
+    For re-running experiments seeded with torchcsprng; its key schedule follows torchcsprng (a
+    Mersenne Twister seeds a fresh AES key per call), so prefer :func:`create_generator`.
+    """
+    from .compat import MT19937Sampler
+
+    g = Generator()
+    g._set_compat(MT19937Sampler(seed))
+    return g
+
+
+def supports_cuda() -> bool:
+    """Whether ember.csprng can fill CUDA tensors here (a CUDA device is present)."""
+    return torch.cuda.is_available()

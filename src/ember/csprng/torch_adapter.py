@@ -1,0 +1,452 @@
+"""Routes torch's random functions to ember when they are given an ember generator.
+
+``install()`` (run on ``import ember.csprng``) wraps torch's random entry points (``torch.rand``,
+``Tensor.normal_``, ...). A wrapper looks at ``generator=`` first and, for anything other than an
+ember generator, calls torch's original function unchanged; non-random torch operations are not
+touched at all. Functions that take a generator but that ember does not implement raise for an
+ember generator instead of drawing from its inherited Mersenne Twister state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .generator import Generator
+
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+# device type -> fill(generator, tensor, method, params) for tensors on that device
+_DEVICE_BACKENDS: dict[str, Callable[..., None]] = {}
+
+
+def register_device_backend(device_type: str, fill: Callable[..., bool]) -> None:
+    """Use ``fill(sampler, tensor, method, params) -> bool`` for tensors on ``device_type``.
+
+    It returns False to fall back to generating on the CPU and copying.
+    """
+    _DEVICE_BACKENDS[device_type] = fill
+
+
+def _ember(generator: Any) -> bool:
+    return generator is not None and isinstance(generator, Generator)
+
+
+def _bump_version(t: torch.Tensor) -> None:
+    # NumPy wrote into the tensor's memory behind autograd's back: record it as a modification
+    torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+
+
+def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any) -> torch.Tensor:
+    """Fill ``t`` in place with ``generator``'s sampler ``method``, on any device and layout."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{method}: only strided tensors are supported, got {t.layout}")
+    if t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation.")
+    sampler = generator.sampler()
+    if t.is_complex():
+        fill_(torch.view_as_real(t), generator, method, *_complex_params(method, params))
+        return t
+    backend = _DEVICE_BACKENDS.get(t.device.type)
+    if backend is not None and backend(sampler, t, method, params):
+        return t
+    if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        getattr(sampler, method)(t, *params)
+        if t.numel():
+            _bump_version(t)
+    else:
+        tmp = torch.empty(t.shape, dtype=t.dtype)
+        getattr(sampler, method)(tmp, *params)
+        t.copy_(tmp)
+    return t
+
+
+def _complex_params(method: str, params: tuple) -> tuple:
+    # torch draws complex normals with variance std**2 split evenly over the two parts
+    if method == "normal_":
+        mean, std = params
+        return (mean, std / 2**0.5)
+    return params
+
+
+def _size(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
+    if "size" in kwargs:
+        size = kwargs.pop("size")
+        if args:
+            raise TypeError("size given both positionally and as a keyword")
+    elif len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        size = args[0]
+    else:
+        size = args
+    dims = tuple(int(s) for s in size)
+    if any(d < 0 for d in dims):
+        raise RuntimeError(f"Trying to create tensor with negative dimension: {list(dims)}")
+    return dims
+
+
+def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None = None
+         ) -> tuple[torch.Tensor, bool]:
+    """The output tensor of a factory call (``out=`` if given) and its requires_grad flag."""
+    out = kwargs.pop("out", None)
+    dtype = kwargs.pop("dtype", None) or default_dtype
+    requires_grad = bool(kwargs.pop("requires_grad", False))
+    layout = kwargs.pop("layout", None) or torch.strided
+    device = kwargs.pop("device", None)
+    pin_memory = bool(kwargs.pop("pin_memory", False))
+    kwargs.pop("names", None)
+    kwargs.pop("generator", None)
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments: {sorted(kwargs)}")
+    if out is not None:
+        if dtype is not None and out.dtype != dtype:
+            raise RuntimeError(f"dtype {dtype} does not match the dtype of out= ({out.dtype})")
+        out.resize_(size)
+        return out, requires_grad
+    t = torch.empty(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+    return t, requires_grad
+
+
+def _finish(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return t.requires_grad_() if requires_grad else t
+
+
+def _new_like(input: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool]:
+    kwargs.pop("generator", None)
+    requires_grad = bool(kwargs.pop("requires_grad", False))
+    t = torch.empty_like(input, dtype=kwargs.pop("dtype", None), layout=kwargs.pop("layout", None),
+                         device=kwargs.pop("device", None),
+                         memory_format=kwargs.pop("memory_format", torch.preserve_format))
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments: {sorted(kwargs)}")
+    return t, requires_grad
+
+
+def _pick(args: Sequence[Any], kwargs: dict, names: Sequence[str], defaults: Sequence[Any]
+          ) -> list[Any]:
+    """Positional-or-keyword parameters ``names`` (with ``defaults``) from a call."""
+    if len(args) > len(names):
+        raise TypeError(f"expected at most {len(names)} positional arguments, got {len(args)}")
+    rest = zip(names[len(args):], defaults[len(args):], strict=True)
+    values = list(args) + [kwargs.pop(n, d) for n, d in rest]
+    kwargs.pop("generator", None)
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments: {sorted(kwargs)}")
+    return values
+
+
+# ---------------------------------------------------------------------- factories
+def _rand(*args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    t, rg = _new(_size(args, kwargs), kwargs)
+    return _finish(fill_(t, g, "uniform_", 0.0, 1.0), rg)
+
+
+def _randn(*args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    t, rg = _new(_size(args, kwargs), kwargs)
+    return _finish(fill_(t, g, "normal_", 0.0, 1.0), rg)
+
+
+def _rand_like(input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    t, rg = _new_like(input, kwargs)
+    return _finish(fill_(t, g, "uniform_", 0.0, 1.0), rg)
+
+
+def _randn_like(input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    t, rg = _new_like(input, kwargs)
+    return _finish(fill_(t, g, "normal_", 0.0, 1.0), rg)
+
+
+def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    args = list(args)
+    if "size" not in kwargs and args and isinstance(args[-1], (tuple, list, torch.Size)):
+        kwargs["size"] = args.pop()
+    if "high" in kwargs:
+        high = kwargs.pop("high")
+        low = kwargs.pop("low", args.pop(0) if args else 0)
+    elif len(args) == 2:
+        low, high = args
+        args = []
+    elif len(args) == 1:
+        low, high = kwargs.pop("low", 0), args.pop()
+    else:
+        raise TypeError("randint() missing the high argument")
+    if args:
+        raise TypeError("randint(): too many positional arguments")
+    t, rg = _new(_size((), kwargs), kwargs, default_dtype=torch.int64)
+    return _finish(fill_(t, g, "random_range_", int(low), int(high)), rg)
+
+
+def _randint_like(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    if "high" in kwargs:
+        high = kwargs.pop("high")
+        low = kwargs.pop("low", args[0] if args else 0)
+    elif len(args) == 2:
+        low, high = args
+    elif len(args) == 1:
+        low, high = kwargs.pop("low", 0), args[0]
+    else:
+        raise TypeError("randint_like() missing the high argument")
+    t, rg = _new_like(input, kwargs)
+    return _finish(fill_(t, g, "random_range_", int(low), int(high)), rg)
+
+
+def _randperm(n: int, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    n = int(n)
+    if n < 0:
+        raise RuntimeError(f"randperm: n must be non-negative, got {n}")
+    t, rg = _new((n,), kwargs, default_dtype=torch.int64)
+    return _finish(fill_(t, g, "randperm_"), rg)
+
+
+def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    factory_keys = ("size", "dtype", "layout", "device", "pin_memory", "requires_grad")
+    if len(args) >= 3 or "size" in kwargs:
+        mean, std = (list(args[:2]) + [kwargs.pop("mean", 0.0), kwargs.pop("std", 1.0)])[:2] \
+            if len(args) >= 2 else (kwargs.pop("mean", args[0] if args else 0.0),
+                                    kwargs.pop("std", 1.0))
+        size = args[2] if len(args) >= 3 else kwargs.pop("size")
+        if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+            raise TypeError("normal(mean, std, size) takes float mean and std")
+        t, rg = _new(_size((size,), {}), kwargs)
+        return _finish(fill_(t, g, "normal_", float(mean), float(std)), rg)
+    mean, std = _pick(args, {k: kwargs.pop(k) for k in ("mean", "std") if k in kwargs},
+                      ("mean", "std"), (0.0, 1.0))
+    out = kwargs.pop("out", None)
+    kwargs.pop("generator", None)
+    if any(k in kwargs for k in factory_keys) or kwargs:
+        raise TypeError(f"normal(): unexpected keyword arguments {sorted(kwargs)}")
+    mt, st = isinstance(mean, torch.Tensor), isinstance(std, torch.Tensor)
+    if not (mt or st):
+        raise TypeError("normal(mean, std) with float mean and std needs a size")
+    if st and bool((std < 0).any()):
+        raise RuntimeError("normal expects all elements of std >= 0.0")
+    if not st and float(std) < 0:
+        raise RuntimeError(f"normal expects std >= 0.0, but found std {float(std)}")
+    ref = mean if mt else std
+    shape = torch.broadcast_shapes(mean.shape if mt else (), std.shape if st else ())
+    dtype = torch.result_type(mean, std) if (mt and st) else ref.dtype
+    # the tensor overloads draw standard normals, then scale and shift them
+    z = fill_(torch.empty(shape, dtype=dtype, device=ref.device), g, "normal_", 0.0, 1.0)
+    res = z * std + mean
+    if out is not None:
+        out.resize_(res.shape).copy_(res)
+        return out
+    return res
+
+
+def _bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    out = kwargs.pop("out", None)
+    (p,) = _pick(args, kwargs, ("p",), (None,))
+    t = out.resize_(input.shape) if out is not None else torch.empty_like(
+        input, memory_format=torch.contiguous_format)
+    return fill_(t, g, "bernoulli_", input if p is None else p)
+
+
+def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    out = kwargs.pop("out", None)
+    num_samples, replacement = _pick(args, kwargs, ("num_samples", "replacement"), (None, False))
+    if num_samples is None:
+        raise TypeError("multinomial() missing num_samples")
+    res = g.sampler().multinomial(input, int(num_samples), bool(replacement)).to(input.device)
+    if out is not None:
+        out.resize_(res.shape).copy_(res)
+        return out
+    return res
+
+
+def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
+    return generator.sampler().poisson(input).to(input.device)
+
+
+def _unsupported(name: str) -> Callable[..., Any]:
+    def raiser(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{name} is not implemented for ember.csprng generators (torch would silently draw "
+            "from the generator's non-secure inherited state); call it without generator=")
+    return raiser
+
+
+# ---------------------------------------------------------------------- in-place methods
+def _scalar_method(method: str, names: tuple[str, ...], defaults: tuple[Any, ...]):
+    def impl(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        g = kwargs["generator"]
+        return fill_(self, g, method, *_pick(args, kwargs, names, defaults))
+    return impl
+
+
+def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    low, high = _pick(args, kwargs, ("from", "to"), (None, None))
+    if low is None and high is None:
+        return fill_(self, g, "random_")
+    if high is None and len(args) == 1 and "from" not in kwargs:
+        low, high = 0, low  # random_(to)
+    if high is None:
+        from .distributions import representable_range
+
+        high = representable_range(self.dtype)[1] + 1
+    return fill_(self, g, "random_range_", int(low or 0), int(high))
+
+
+def _bernoulli_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    g = kwargs["generator"]
+    (p,) = _pick(args, kwargs, ("p",), (0.5,))
+    return fill_(self, g, "bernoulli_", p)
+
+
+def _tensor_bernoulli(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return _bernoulli(self, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------- installation
+_TORCH = {
+    "rand": _rand, "randn": _randn, "rand_like": _rand_like, "randn_like": _randn_like,
+    "randint": _randint, "randint_like": _randint_like, "randperm": _randperm,
+    "normal": _normal, "bernoulli": _bernoulli, "multinomial": _multinomial,
+    "poisson": _poisson,
+    "binomial": _unsupported("torch.binomial"),
+    "_standard_gamma": _unsupported("torch._standard_gamma"),
+    "_sample_dirichlet": _unsupported("torch._sample_dirichlet"),
+    "rrelu": _unsupported("torch.rrelu"), "rrelu_": _unsupported("torch.rrelu_"),
+}
+_TENSOR = {
+    "uniform_": _scalar_method("uniform_", ("from", "to"), (0.0, 1.0)),
+    "normal_": _scalar_method("normal_", ("mean", "std"), (0.0, 1.0)),
+    "log_normal_": _scalar_method("log_normal_", ("mean", "std"), (1.0, 2.0)),
+    "exponential_": _scalar_method("exponential_", ("lambd",), (1.0,)),
+    "cauchy_": _scalar_method("cauchy_", ("median", "sigma"), (0.0, 1.0)),
+    "geometric_": _scalar_method("geometric_", ("p",), (None,)),
+    "random_": _random_,
+    "bernoulli_": _bernoulli_,
+    "bernoulli": _tensor_bernoulli,
+    "multinomial": _multinomial,
+}
+
+
+def _wraps(original: Callable[..., Any]):
+    """functools.wraps without ``__wrapped__``: torch.compile must trace the wrapper itself,
+    not skip to the original function it would find there; and keep this module as
+    ``__module__`` so that it does not take the wrapper for a torch function."""
+    return functools.wraps(original, updated=(), assigned=("__name__", "__doc__"))
+
+
+def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_generator: int = -1):
+    # Under torch.compile the draw runs eagerly at a graph break: the generator's stream is Python
+    # state that a graph cannot hold, and the eager draw keeps compiled and eager output equal.
+    eager_impl = torch.compiler.disable(functools.partial(_eager, impl))
+    if positional_generator >= 0:
+        @_wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            g = kwargs.get("generator")
+            if g is None and len(args) > positional_generator:
+                g = args[positional_generator]
+                if _ember(g):
+                    args, kwargs = args[:positional_generator], {"generator": g}
+            if g is None:
+                return original(*args, **kwargs)
+            if not isinstance(g, Generator):
+                return original(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                return eager_impl(*args, **kwargs)
+            return impl(*args, **kwargs)
+    else:
+        @_wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            g = kwargs.get("generator")
+            if g is None:
+                return original(*args, **kwargs)
+            if not isinstance(g, Generator):
+                return original(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                return eager_impl(*args, **kwargs)
+            return impl(*args, **kwargs)
+    wrapper.__ember_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install() -> None:
+    """Route torch's random functions to ember for ember generators (idempotent)."""
+    if _ORIGINALS:
+        return
+    for name, impl in _TORCH.items():
+        original = getattr(torch, name, None)
+        if original is None:
+            continue
+        _ORIGINALS[(torch, name)] = original
+        wrapper = _wrap(original, impl, 1 if name == "poisson" else -1)
+        setattr(torch, name, wrapper)
+        _keep_out_of_graphs(wrapper)
+    for name, impl in _TENSOR.items():
+        original = getattr(torch.Tensor, name)
+        _ORIGINALS[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _INHERITED)
+        setattr(torch.Tensor, name, _wrap(original, impl))
+    # modules that did `from torch import randperm` (torch.utils.data.dataset) hold the original
+    replaced = {id(o): getattr(torch, n) for (m, n), o in list(_ORIGINALS.items()) if m is torch}
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or mod is torch or not mod_name.startswith("torch"):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if id(value) in replaced and not attr.startswith("__"):
+                _ORIGINALS[(mod, attr)] = value
+                setattr(mod, attr, replaced[id(value)])
+
+
+_INHERITED = object()
+
+
+try:
+    from torch._library.fake_class_registry import FakeScriptObject as _FakeScriptObject
+except ImportError:  # pragma: no cover - older torch
+
+    class _FakeScriptObject:  # type: ignore[no-redef]
+        pass
+
+
+def _eager(impl: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``impl`` for real; under torch.compile this runs at a graph break.
+
+    When a traced tensor method reaches here while torch.compile computes its output shape, the
+    generator is a placeholder: ask for a graph break so that the call runs eagerly instead.
+    """
+    if type(kwargs.get("generator")) is _FakeScriptObject:
+        from torch._dynamo.exc import Unsupported
+
+        raise Unsupported("ember.csprng draws run eagerly (graph break)")
+    return impl(*args, **kwargs)
+
+
+def _keep_out_of_graphs(wrapper: Callable[..., Any]) -> None:
+    """Make torch.compile run ``wrapper`` eagerly (a graph break) instead of putting it in a graph,
+    where it would be traced with a placeholder generator."""
+    with contextlib.suppress(Exception):  # older torch without the API: nothing to do
+        torch._dynamo.disallow_in_graph(wrapper)
+
+
+def uninstall() -> None:
+    """Restore torch's original functions."""
+    for (owner, name), original in _ORIGINALS.items():
+        if original is _INHERITED:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    _ORIGINALS.clear()
+
+
+def installed() -> bool:
+    return bool(_ORIGINALS)
