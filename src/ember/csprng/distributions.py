@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -50,16 +52,68 @@ def _flat_np(out: torch.Tensor) -> np.ndarray | None:
     return out.view(-1).numpy()
 
 
-def _chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type):
-    """Yield ``(lo, hi, words)``: the keystream words of items ``lo..hi`` of the draw, in order."""
+def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
+            chunk_bytes: int = CHUNK_BYTES):
+    """Yield ``(a, b, words)``: the keystream words of items ``a..b``, for items ``lo..hi`` in order.
+
+    ``draw`` must be positioned at item ``lo``.
+    """
     wbytes = np.dtype(word_dtype).itemsize * words_per_item
-    step = max(CHUNK_BYTES // wbytes, 1)
-    buf = np.empty(min(n, step) * words_per_item, dtype=np.dtype(word_dtype).newbyteorder("<"))
-    for lo in range(0, n, step):
-        hi = min(lo + step, n)
-        w = buf[: (hi - lo) * words_per_item]
+    step = max(chunk_bytes // wbytes, 1)
+    buf = np.empty(min(hi - lo, step) * words_per_item, dtype=np.dtype(word_dtype).newbyteorder("<"))
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        w = buf[: (b - a) * words_per_item]
         draw.fill(memoryview(w.view(np.uint8)))
-        yield lo, hi, w
+        yield a, b, w
+
+
+PARALLEL_BYTES = 4 << 20  # draws of at least this much keystream are split across threads
+# Threads work on larger chunks: fewer Python-level steps means less contention for the GIL.
+PARALLEL_CHUNK_BYTES = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+
+
+def _threads(nbytes: int) -> int:
+    if nbytes < PARALLEL_BYTES:
+        return 1
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1, 8))
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_pid
+    if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < workers:
+        _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ember-csprng")
+        _pool_pid = os.getpid()  # a forked child has no pool threads: make a new pool there
+    return _pool
+
+
+def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body) -> None:
+    """Call ``body(a, b, words)`` over all ``n`` items, on several threads for large draws.
+
+    Each thread takes a contiguous run of whole chunks with its own keystream writer starting at
+    the run's first block, so the values are the same as in one thread.
+    """
+    wbytes = np.dtype(word_dtype).itemsize * words_per_item
+    workers = _threads(n * wbytes)
+    if workers == 1:
+        for a, b, w in _chunks(draw, 0, n, words_per_item, word_dtype):
+            body(a, b, w)
+        return
+    step = max(PARALLEL_CHUNK_BYTES // wbytes, 1)
+    nchunks = -(-n // step)
+    per = -(-nchunks // workers) * step  # items per thread, in whole chunks
+    parts = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
+
+    def run(lo: int, hi: int) -> None:
+        sub = draw.part(lo * wbytes // BLOCK_BYTES, blocks_for((hi - lo) * wbytes))
+        for a, b, w in _chunks(sub, lo, hi, words_per_item, word_dtype, PARALLEL_CHUNK_BYTES):
+            body(a, b, w)
+
+    futures = [_executor(workers).submit(run, lo, hi) for lo, hi in parts]
+    for f in futures:
+        f.result()
 
 
 class _Sink:
@@ -116,7 +170,8 @@ class NativeSampler:
         scale = cd((b - a) * 2.0**-bits)
         shift = cd(a)
         sink = _Sink(out)
-        for lo, hi, w in _chunks(draw, n, 1, word):
+
+        def body(lo: int, hi: int, w: np.ndarray) -> None:
             np.bitwise_and(w, mask, out=w)
             dst = sink.direct(lo, hi, cd)
             tmp = dst if dst is not None else np.empty(hi - lo, cd)
@@ -125,6 +180,8 @@ class NativeSampler:
                 np.add(tmp, shift, out=tmp)
             if dst is None:
                 sink.write(lo, hi, tmp)
+
+        _drive(draw, n, 1, word, body)
         if not (a == 0.0 and b == 1.0):
             if a == b:
                 out.fill_(a)
@@ -159,30 +216,27 @@ class NativeSampler:
         affine = not (mean == 0.0 and std == 1.0)
         mean_c, std_c = cd(mean), cd(std)
         sink = _Sink(out)
-        step = max(CHUNK_BYTES // (2 * np.dtype(word).itemsize), 1)
-        iw = np.empty(min(pairs, step), word)
-        r = np.empty(min(pairs, step), cd)
-        th = np.empty_like(r)
-        tr = np.empty_like(r)
-        for plo, phi, w in _chunks(draw, pairs, 2, word):
+
+        def body(plo: int, phi: int, w: np.ndarray) -> None:
             m = phi - plo
             lo, hi = 2 * plo, min(2 * phi, n)
-            iwc, rc, thc, trc = iw[:m], r[:m], th[:m], tr[:m]
+            iw = np.empty(m, word)
+            r, th, tr = np.empty(m, cd), np.empty(m, cd), np.empty(m, cd)
             # radius from u1 = (k + 1) * 2**-bits in (0, 1]; angle from u2 = k * 2**-bits
-            np.bitwise_and(w[0::2], mask, out=iwc)
-            np.add(iwc, 1, out=iwc)
-            np.multiply(iwc, unit, out=rc, dtype=cd, casting="unsafe")
-            np.log(rc, out=rc)
-            np.multiply(rc, cd(-2.0), out=rc)
-            np.sqrt(rc, out=rc)
-            np.bitwise_and(w[1::2], mask, out=iwc)
-            np.multiply(iwc, angle, out=thc, dtype=cd, casting="unsafe")
+            np.bitwise_and(w[0::2], mask, out=iw)
+            np.add(iw, 1, out=iw)
+            np.multiply(iw, unit, out=r, dtype=cd, casting="unsafe")
+            np.log(r, out=r)
+            np.multiply(r, cd(-2.0), out=r)
+            np.sqrt(r, out=r)
+            np.bitwise_and(w[1::2], mask, out=iw)
+            np.multiply(iw, angle, out=th, dtype=cd, casting="unsafe")
             dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
             z = dst if dst is not None else np.empty(2 * m, cd)
-            np.cos(thc, out=trc)
-            np.multiply(rc, trc, out=z[0::2])
-            np.sin(thc, out=thc)
-            np.multiply(rc, thc, out=z[1::2])
+            np.cos(th, out=tr)
+            np.multiply(r, tr, out=z[0::2])
+            np.sin(th, out=th)
+            np.multiply(r, th, out=z[1::2])
             if affine:
                 np.multiply(z, std_c, out=z)
                 np.add(z, mean_c, out=z)
@@ -190,6 +244,8 @@ class NativeSampler:
                 np.exp(z, out=z)
             if dst is None:
                 sink.write(lo, hi, z[: hi - lo])
+
+        _drive(draw, pairs, 2, word, body)
 
     # ------------------------------------------------------------------ other continuous
     def _unit_open(self, out: torch.Tensor, op: str, offset: float, transform) -> None:
@@ -205,7 +261,8 @@ class NativeSampler:
         mask = word((1 << bits) - 1)
         unit = cd(2.0**-bits)
         sink = _Sink(out)
-        for lo, hi, w in _chunks(draw, n, 1, word):
+
+        def body(lo: int, hi: int, w: np.ndarray) -> None:
             np.bitwise_and(w, mask, out=w)
             dst = sink.direct(lo, hi, cd)
             u = dst if dst is not None else np.empty(hi - lo, cd)
@@ -214,6 +271,8 @@ class NativeSampler:
             transform(u, cd)
             if dst is None:
                 sink.write(lo, hi, u)
+
+        _drive(draw, n, 1, word, body)
 
     def exponential_(self, out: torch.Tensor, lambd: float = 1.0) -> None:
         lambd = float(lambd)
@@ -256,7 +315,7 @@ class NativeSampler:
         limit = _max_value(out.dtype)
         sink = _Sink(out)
         mask = np.uint64((1 << 52) - 1)
-        for lo, hi, w in _chunks(draw, n, 1, np.uint64):
+        def body(lo: int, hi: int, w: np.ndarray) -> None:
             np.bitwise_and(w, mask, out=w)
             u = w.astype(np.float64)  # u = (k + 1/2) * 2**-52, exactly, in (0, 1)
             np.add(u, 0.5, out=u)
@@ -266,6 +325,8 @@ class NativeSampler:
             np.ceil(u, out=u)
             np.minimum(u, limit, out=u)
             sink.write(lo, hi, u)
+
+        _drive(draw, n, 1, np.uint64, body)
 
     # ------------------------------------------------------------------ integers
     def random_(self, out: torch.Tensor) -> None:
@@ -297,7 +358,8 @@ class NativeSampler:
         offset = np.uint64(low % (1 << 64))
         rejected: list[np.ndarray] = []
         word = np.uint64 if wide else np.uint32
-        for lo, hi, w in _chunks(draw, n, 1, word):
+
+        def body(lo: int, hi: int, w: np.ndarray) -> None:
             x = dst[lo:hi] if dst is not None else np.empty(hi - lo, np.uint64)
             bad = _bounded(w, r, x)
             if bad is not None:
@@ -305,8 +367,11 @@ class NativeSampler:
             np.add(x, offset, out=x)
             if dst is None:
                 sink.write(lo, hi, x.view(np.int64))
+
+        _drive(draw, n, 1, word, body)
         if rejected:
-            self._refill_integers(draw, np.concatenate(rejected), r, offset, out, dst, sink)
+            positions = np.sort(np.concatenate(rejected))
+            self._refill_integers(draw, positions, r, offset, out, dst, sink)
 
     def _refill_integers(self, draw: Draw, positions: np.ndarray, r: int, offset: np.uint64,
                          out: torch.Tensor, dst, sink) -> None:
@@ -361,9 +426,9 @@ class NativeSampler:
             return
         sink = _Sink(out)
         thr_scalar = np.uint64(math.floor(math.ldexp(p, 64))) if pn is None else None
-        res = np.empty(min(n, CHUNK_BYTES // 8), bool)
-        for lo, hi, w in _chunks(draw, n, 1, np.uint64):
-            rc = res[: hi - lo]
+
+        def body(lo: int, hi: int, w: np.ndarray) -> None:
+            rc = np.empty(hi - lo, bool)
             if thr_scalar is not None:
                 np.less(w, thr_scalar, out=rc)
             else:
@@ -373,6 +438,8 @@ class NativeSampler:
                 np.less(w, thr, out=rc)
                 rc |= ones
             sink.write(lo, hi, rc)
+
+        _drive(draw, n, 1, np.uint64, body)
 
     # ------------------------------------------------------------------ permutations
     def randperm_(self, out: torch.Tensor) -> None:

@@ -155,6 +155,12 @@ class Draw:
         if self._written == total:
             self.stream.give_back(self.start + self.nblocks, self._writer)
 
+    def part(self, first_block: int, nblocks: int) -> Draw:
+        """The sub-range of this draw starting ``first_block`` blocks in (for parallel filling)."""
+        if first_block < 0 or first_block + nblocks > self.nblocks:
+            raise ValueError("internal error: part outside the reserved blocks")
+        return Draw(self.stream, self.start + first_block, nblocks)
+
     def refill_stream(self) -> BlockStream:
         return BlockStream(derive_key(self.stream.key, "reject", self.start), 0,
                            self.stream.cipher_name)

@@ -1,0 +1,100 @@
+"""Side-by-side throughput of ember.csprng against torch's default CPU generator.
+
+Each row times the same call with ``generator=`` an ember generator and a plain ``torch.Generator``
+in one process, interleaving the two so that drifts in machine speed hit both alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .ciphers import get_cipher
+from .generator import create_generator
+
+MiB = 1 << 20
+GOALS = {"rand float32": 4.0, "randn float32": 1.5, "randint int64": 2.0, "randperm 1e7": 1.0}
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _pair(make: Callable[[torch.Generator], Callable[[], object]], repeat: int) -> tuple[float, float]:
+    ember, plain = create_generator(0), torch.Generator().manual_seed(0)
+    fe, ft = make(ember), make(plain)
+    fe(), ft()  # warm up
+    te = tt = float("inf")
+    for _ in range(repeat):
+        te = min(te, _best(fe, 1))
+        tt = min(tt, _best(ft, 1))
+    return te, tt
+
+
+def keystream_gbps(nbytes: int = 64 * MiB, repeat: int = 5) -> float:
+    """Raw AES-128-CTR keystream into a preallocated buffer (the ceiling for ember's output)."""
+    buf = np.empty(nbytes, np.uint8)
+    mv = memoryview(buf)
+    aes = get_cipher("aes128")
+    return nbytes / _best(lambda: aes.keystream(bytes(16), 0).fill(mv), repeat) / 1e9
+
+
+def _cases(nbytes: int) -> list[tuple[str, int, Callable[[torch.Generator], Callable[[], object]]]]:
+    n32, n64 = nbytes // 4, nbytes // 8
+    out32 = torch.empty(n32)
+    out64 = torch.empty(n64, dtype=torch.int64)
+    p = torch.full((n32,), 0.3)
+    return [
+        ("rand float32", nbytes, lambda g: lambda: torch.rand(n32, generator=g, out=out32)),
+        ("randn float32", nbytes, lambda g: lambda: torch.randn(n32, generator=g, out=out32)),
+        ("randint int64", nbytes,
+         lambda g: lambda: torch.randint(0, 1000, (n64,), generator=g, out=out64)),
+        ("bernoulli float32", nbytes, lambda g: lambda: out32.bernoulli_(0.3, generator=g)),
+        ("bernoulli(p tensor)", nbytes, lambda g: lambda: torch.bernoulli(p, generator=g)),
+    ]
+
+
+def run(quick: bool = False, sizes_mib: tuple[int, ...] | None = None) -> list[dict]:
+    """Rows of ember vs torch throughput (GB/s of output, ratio) and the keystream ceiling."""
+    sizes = sizes_mib or ((1, 16) if quick else (1, 64))
+    repeat = 3 if quick else 7
+    rows: list[dict] = []
+    ceiling = keystream_gbps(16 * MiB if quick else 64 * MiB, repeat)
+    rows.append({"case": "AES-128-CTR keystream", "size_mib": 16 if quick else 64,
+                 "ember_gbps": ceiling, "torch_gbps": None, "ratio": None, "goal": None})
+    for mib in sizes:
+        for name, nbytes, make in _cases(mib * MiB):
+            te, tt = _pair(make, repeat)
+            rows.append({"case": name, "size_mib": mib, "ember_gbps": nbytes / te / 1e9,
+                         "torch_gbps": nbytes / tt / 1e9, "ratio": tt / te, "goal": GOALS.get(name)})
+    n = 10**6 if quick else 10**7
+    te, tt = _pair(lambda g: lambda: torch.randperm(n, generator=g), 2 if quick else 3)
+    rows.append({"case": "randperm 1e7" if n == 10**7 else "randperm 1e6", "size_mib": n * 8 // MiB,
+                 "ember_gbps": n * 8 / te / 1e9, "torch_gbps": n * 8 / tt / 1e9, "ratio": tt / te,
+                 "goal": GOALS["randperm 1e7"]})
+    for row in rows:
+        if row["case"] == "rand float32":
+            row["of_keystream"] = row["ember_gbps"] / ceiling
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'case':<24}{'MiB':>6}{'ember GB/s':>12}{'torch GB/s':>12}{'ratio':>8}{'goal':>7}  met"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        torch_s = f"{r['torch_gbps']:.2f}" if r["torch_gbps"] is not None else "-"
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
+        goal = f"{r['goal']:.1f}x" if r.get("goal") else "-"
+        met = "-" if not r.get("goal") else ("yes" if r["ratio"] >= r["goal"] else "no")
+        extra = f"  ({r['of_keystream']:.0%} of keystream)" if "of_keystream" in r else ""
+        lines.append(f"{r['case']:<24}{r['size_mib']:>6}{r['ember_gbps']:>12.2f}{torch_s:>12}"
+                     f"{ratio:>8}{goal:>7}  {met}{extra}")
+    return "\n".join(lines)
