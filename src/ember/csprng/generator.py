@@ -29,7 +29,7 @@ from .stream import (
 
 _MAGIC = b"EMBR"
 _VERSION = 1
-_HEADER = 64
+_HEADER = 72  # see _state_bytes for the layout
 KINDS = ("random_device", "seeded", "keyed", "derived", "mt19937")
 _GUARD_SEED = 0x656D626572  # seeds the unused inherited state; any draw from it changes the state
 
@@ -196,6 +196,8 @@ class Generator(torch.Generator):
 
     # ------------------------------------------------------------------ persistence
     def _state_bytes(self) -> bytes:
+        # magic(4) version(1) kind(1) flags(1) cipher(1) key(16) counter(17, LE: 2**128 fits)
+        # padding(7) spawn count(8, LE) seed(16, LE); the mt19937 kind appends its source state
         flags = (self.allow_pickle << 0) | (self._from_os << 1) | ((self._seed is not None) << 2)
         head = bytearray(_HEADER)
         head[0:4] = _MAGIC
@@ -205,10 +207,10 @@ class Generator(torch.Generator):
         head[7] = cipher_names().index(self.cipher) if self._stream is not None else 0
         if self._stream is not None:
             head[8:24] = self._stream.key
-            head[24:40] = self._stream.counter.to_bytes(16, "little")
-        head[40:48] = self._spawned.to_bytes(8, "little")
+            head[24:41] = self._stream.counter.to_bytes(17, "little")
+        head[48:56] = self._spawned.to_bytes(8, "little")
         if self._seed is not None:
-            head[48:64] = (self._seed % (1 << 128)).to_bytes(16, "little")
+            head[56:72] = (self._seed % (1 << 128)).to_bytes(16, "little")
         tail = self._sampler.state_bytes() if self._stream is None else b""
         return bytes(head) + tail
 
@@ -220,7 +222,7 @@ class Generator(torch.Generator):
         if data[5] >= len(KINDS):
             raise ValueError(f"set_state: unknown generator kind code {data[5]}")
         kind, flags = KINDS[data[5]], data[6]
-        seed = int.from_bytes(data[48:64], "little") if flags & 4 else None
+        seed = int.from_bytes(data[56:72], "little") if flags & 4 else None
         if kind == "mt19937":
             from .compat import MT19937Sampler
 
@@ -233,11 +235,11 @@ class Generator(torch.Generator):
             names = cipher_names()
             if data[7] >= len(names):
                 raise ValueError(f"set_state: unknown cipher code {data[7]}")
-            counter = int.from_bytes(data[24:40], "little")
+            counter = int.from_bytes(data[24:41], "little")
             self._set_stream(kind, bytes(data[8:24]), counter, names[data[7]],
                              from_os=bool(flags & 2), seed=seed)
         self.allow_pickle = bool(flags & 1)
-        self._spawned = int.from_bytes(data[40:48], "little")
+        self._spawned = int.from_bytes(data[48:56], "little")
 
     def __reduce_ex__(self, protocol: int):
         if self._from_os and not self.allow_pickle:
