@@ -1,0 +1,260 @@
+"""Encrypting tensors: torchcsprng's ``encrypt``/``decrypt`` and an authenticated AES-GCM mode.
+
+``encrypt``/``decrypt`` follow torchcsprng (``shared/specs/torchcsprng-stream.md``): the raw bytes
+of the input's elements, in element order, are zero-padded to whole 16-byte blocks and run through
+AES-128 in ECB mode or in CTR mode with the counter block ``LE64(idx) || 8 zero bytes`` (idx from 0,
+no nonce). Neither mode authenticates and both leak equal blocks (ECB) or repeat a keystream for
+every message under one key (CTR). They exist for compatibility.
+
+:func:`encrypt_gcm` / :func:`decrypt_gcm` are the mode to use: AES-GCM with a fresh 96-bit nonce
+and a 128-bit tag, so tampering is detected and one key serves many messages.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+__all__ = ["GCMCiphertext", "decrypt", "decrypt_gcm", "encrypt", "encrypt_gcm", "view_as"]
+
+BLOCK = 16
+_CIPHERS = ("aes128",)
+_MODES = ("ecb", "ctr")
+_GCM_KEY_BYTES = (16, 32)
+
+
+# ---------------------------------------------------------------------- argument checks
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a strided (dense) tensor, got layout {t.layout}")
+    return t
+
+
+def _check_device(**tensors: torch.Tensor) -> None:
+    """The one place where devices are checked (a CUDA backend extends this)."""
+    for name, t in tensors.items():
+        if t.device.type == "cuda":
+            raise ValueError(
+                f"{name} is on {t.device}: CUDA encrypt/decrypt lands with the CUDA backend; "
+                "move the tensors to the CPU for now")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _raw_bytes(name: str, t: torch.Tensor) -> np.ndarray:
+    """The tensor's element bytes in element order, as a uint8 array (a copy if not contiguous)."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return np.empty(0, np.uint8)
+    return t.view(-1).view(torch.uint8).numpy()
+
+
+def _key_bytes(key: object, expected: tuple[int, ...]) -> bytes:
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+    else:
+        k = _check_tensor("key", key)
+        _check_device(key=k)
+        raw = _raw_bytes("key", k).tobytes()
+    if len(raw) not in expected:
+        want = " or ".join(str(n) for n in expected)
+        raise ValueError(f"key: expected a {want}-byte key, got {len(raw)} bytes")
+    return raw
+
+
+def _check_cipher_mode(cipher: object, mode: object) -> None:
+    if cipher not in _CIPHERS:
+        raise ValueError(f"cipher: expected one of {_CIPHERS}, got {cipher!r}")
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected one of {_MODES}, got {mode!r}")
+
+
+def _check_output(output: torch.Tensor) -> None:
+    if not output.is_contiguous():
+        raise ValueError("output must be contiguous (its bytes are written in element order)")
+    if output.is_conj() or output.is_neg():
+        raise ValueError("output must not be a conjugate or negative view")
+
+
+# ---------------------------------------------------------------------- torchcsprng semantics
+def _ctr_keystream(key: bytes, nblocks: int) -> bytes:
+    counters = np.zeros((nblocks, 2), dtype="<u8")
+    counters[:, 0] = np.arange(nblocks, dtype=np.uint64)
+    enc = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+    return enc.update(counters.tobytes()) + enc.finalize()
+
+
+def _transform(data: np.ndarray, key: bytes, mode: str, inverse: bool) -> np.ndarray:
+    """AES over ``data`` (a whole number of blocks) in torchcsprng's ``mode``."""
+    if data.size == 0:
+        return data
+    if mode == "ecb":
+        ctx = Cipher(algorithms.AES(key), modes.ECB())
+        op = ctx.decryptor() if inverse else ctx.encryptor()
+        return np.frombuffer(op.update(data.tobytes()) + op.finalize(), np.uint8)
+    stream = np.frombuffer(_ctr_keystream(key, data.size // BLOCK), np.uint8)
+    return np.bitwise_xor(data, stream)
+
+
+def _write(output: torch.Tensor, data: np.ndarray) -> None:
+    if data.size:
+        output.view(-1).view(torch.uint8).copy_(torch.from_numpy(data.copy()))
+
+
+def encrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
+            cipher: str = "aes128", mode: str = "ecb") -> torch.Tensor:
+    """Encrypt ``input``'s bytes into ``output`` with torchcsprng's semantics; returns ``output``.
+
+    ``output`` must hold exactly ``input``'s byte count rounded up to a multiple of 16 (the last
+    block is zero-padded); ``key`` is any tensor of exactly 16 bytes. Unauthenticated: prefer
+    :func:`encrypt_gcm`.
+    """
+    input, output = _check_tensor("input", input), _check_tensor("output", output)
+    _check_tensor("key", key)
+    _check_device(input=input, output=output, key=key)
+    _check_cipher_mode(cipher, mode)
+    raw_key = _key_bytes(key, (16,))
+    _check_output(output)
+    n_in = _nbytes(input)
+    padded = -(-n_in // BLOCK) * BLOCK
+    if _nbytes(output) != padded:
+        raise ValueError(f"output: expected {padded} bytes (input's {n_in} bytes rounded up to a "
+                         f"multiple of {BLOCK}), got {_nbytes(output)} bytes")
+    data = np.zeros(padded, np.uint8)
+    data[:n_in] = _raw_bytes("input", input)
+    _write(output, _transform(data, raw_key, mode, inverse=False))
+    return output
+
+
+def decrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
+            cipher: str = "aes128", mode: str = "ecb") -> torch.Tensor:
+    """Decrypt ``input`` (a multiple of 16 bytes) into ``output``; returns ``output``.
+
+    ``output`` may be up to 15 bytes shorter than ``input``: the trailing padding is dropped.
+    """
+    input, output = _check_tensor("input", input), _check_tensor("output", output)
+    _check_tensor("key", key)
+    _check_device(input=input, output=output, key=key)
+    _check_cipher_mode(cipher, mode)
+    raw_key = _key_bytes(key, (16,))
+    _check_output(output)
+    n_in, n_out = _nbytes(input), _nbytes(output)
+    if n_in % BLOCK:
+        raise ValueError(f"input: expected a multiple of {BLOCK} bytes, got {n_in} bytes")
+    if not 0 <= n_in - n_out < BLOCK:
+        raise ValueError(f"output: expected {n_in - BLOCK + 1} to {n_in} bytes (input's {n_in} "
+                         f"bytes less at most {BLOCK - 1} of padding), got {n_out} bytes")
+    plain = _transform(_raw_bytes("input", input), raw_key, mode, inverse=True)
+    _write(output, plain[:n_out])
+    return output
+
+
+# ---------------------------------------------------------------------- authenticated mode
+@dataclass(frozen=True)
+class GCMCiphertext:
+    """An AES-GCM encrypted tensor: ciphertext bytes (uint8 tensor), 12-byte nonce, 16-byte tag,
+    plus the plaintext's dtype and shape so :func:`decrypt_gcm` can restore it."""
+
+    ciphertext: torch.Tensor
+    nonce: bytes
+    tag: bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __iter__(self):
+        # unpacks as (ciphertext, nonce, tag)
+        return iter((self.ciphertext, self.nonce, self.tag))
+
+
+def encrypt_gcm(input: torch.Tensor, key: torch.Tensor | bytes, *, nonce: bytes | None = None,
+                associated_data: bytes | None = None) -> GCMCiphertext:
+    """Encrypt and authenticate ``input``'s bytes with AES-GCM (16-byte key: AES-128, 32: AES-256).
+
+    A fresh random 12-byte nonce is used unless one is given; never reuse a nonce with a key.
+    ``associated_data`` is authenticated but not encrypted.
+    """
+    input = _check_tensor("input", input)
+    _check_device(input=input)
+    raw_key = _key_bytes(key, _GCM_KEY_BYTES)
+    if nonce is None:
+        nonce = os.urandom(12)
+    nonce = _check_bytes("nonce", nonce, 12)
+    aad = None if associated_data is None else _check_bytes("associated_data", associated_data)
+    sealed = AESGCM(raw_key).encrypt(nonce, _raw_bytes("input", input).tobytes(), aad)
+    body, tag = sealed[:-16], sealed[-16:]
+    ct = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(
+        0, dtype=torch.uint8)
+    return GCMCiphertext(ct, nonce, tag, input.dtype, tuple(input.shape))
+
+
+def decrypt_gcm(ciphertext: torch.Tensor | GCMCiphertext, key: torch.Tensor | bytes,
+                nonce: bytes | None = None, tag: bytes | None = None, *,
+                associated_data: bytes | None = None) -> torch.Tensor:
+    """Verify and decrypt; returns the plaintext bytes as a uint8 tensor.
+
+    Pass a :class:`GCMCiphertext`, or the ciphertext tensor with its nonce and tag. Raises
+    ValueError if the tag does not match (wrong key, nonce, associated data or tampered bytes).
+    Use :func:`view_as` to recover the original dtype and shape.
+    """
+    if isinstance(ciphertext, GCMCiphertext):
+        if nonce is not None or tag is not None:
+            raise TypeError("decrypt_gcm: nonce and tag come from the GCMCiphertext; don't pass "
+                            "them separately")
+        ciphertext, nonce, tag = ciphertext.ciphertext, ciphertext.nonce, ciphertext.tag
+    ct = _check_tensor("ciphertext", ciphertext)
+    _check_device(ciphertext=ct)
+    if nonce is None or tag is None:
+        raise TypeError("decrypt_gcm: nonce and tag are required with a ciphertext tensor")
+    raw_key = _key_bytes(key, _GCM_KEY_BYTES)
+    nonce = _check_bytes("nonce", nonce, 12)
+    tag = _check_bytes("tag", tag, 16)
+    aad = None if associated_data is None else _check_bytes("associated_data", associated_data)
+    try:
+        plain = AESGCM(raw_key).decrypt(nonce, _raw_bytes("ciphertext", ct).tobytes() + tag, aad)
+    except InvalidTag:
+        raise ValueError("decrypt_gcm: authentication failed (wrong key, nonce, tag or "
+                         "associated data, or the ciphertext was modified)") from None
+    if not plain:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(plain), dtype=torch.uint8)
+
+
+def view_as(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size
+            ) -> torch.Tensor:
+    """Reinterpret a uint8 byte tensor as ``dtype`` with ``shape`` (no copy)."""
+    data = _check_tensor("data", data)
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise TypeError(f"data must be a 1-D uint8 tensor, got {data.dtype} with {data.dim()} "
+                        "dims")
+    shape = tuple(int(s) for s in shape)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    want = itemsize * int(np.prod(shape, dtype=np.int64)) if shape else itemsize
+    if data.numel() != want:
+        raise ValueError(f"data: expected {want} bytes for {dtype} of shape {shape}, got "
+                         f"{data.numel()} bytes")
+    if want == 0:
+        return torch.empty(shape, dtype=dtype)
+    return data.view(dtype).view(shape)
+
+
+def _check_bytes(name: str, value: object, length: int | None = None) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{name} must be bytes, got {type(value).__name__}")
+    value = bytes(value)
+    if length is not None and len(value) != length:
+        raise ValueError(f"{name}: expected {length} bytes, got {len(value)} bytes")
+    return value
