@@ -60,12 +60,21 @@ def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
     """
     wbytes = np.dtype(word_dtype).itemsize * words_per_item
     step = max(chunk_bytes // wbytes, 1)
-    buf = np.empty(min(hi - lo, step) * words_per_item, dtype=np.dtype(word_dtype).newbyteorder("<"))
+    buf = _words(min(hi - lo, step) * words_per_item, word_dtype)
+    raw = memoryview(buf.view(np.uint8))
     for a in range(lo, hi, step):
         b = min(a + step, hi)
-        w = buf[: (b - a) * words_per_item]
-        draw.fill(memoryview(w.view(np.uint8)))
-        yield a, b, w
+        nbytes = (b - a) * wbytes
+        draw.fill(raw[: nbytes + (-nbytes) % BLOCK_BYTES])
+        yield a, b, buf[: (b - a) * words_per_item]
+
+
+def _words(n: int, word_dtype: type) -> np.ndarray:
+    """An array of ``n`` little-endian words with room to round its bytes up to whole blocks."""
+    dtype = np.dtype(word_dtype).newbyteorder("<")
+    spare = -(-BLOCK_BYTES // dtype.itemsize)
+    return np.empty(n + spare, dtype=dtype)[:n] if n * dtype.itemsize % BLOCK_BYTES else \
+        np.empty(n, dtype=dtype)
 
 
 PARALLEL_BYTES = 4 << 20  # draws of at least this much keystream are split across threads
@@ -96,7 +105,14 @@ def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body) -> N
     the run's first block, so the values are the same as in one thread.
     """
     wbytes = np.dtype(word_dtype).itemsize * words_per_item
-    workers = _threads(n * wbytes)
+    nbytes = n * wbytes
+    if nbytes <= CHUNK_BYTES:  # one chunk: the common small call, kept short
+        w = _words(n * words_per_item, word_dtype)
+        draw.fill(memoryview(w.base.view(np.uint8) if w.base is not None else w.view(np.uint8))
+                  [: nbytes + (-nbytes) % BLOCK_BYTES])
+        body(0, n, w)
+        return
+    workers = _threads(nbytes)
     if workers == 1:
         for a, b, w in _chunks(draw, 0, n, words_per_item, word_dtype):
             body(a, b, w)
