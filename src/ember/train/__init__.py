@@ -1,0 +1,32 @@
+"""ember.train: an explicit training loop tying ember's subsystems together.
+
+:func:`fit` trains on ``(inputs, targets)`` batches (typically from :func:`image_class_loader`,
+streaming ember.shards) with fp32/bf16/fp16 precision, gradient accumulation and clipping, SWA and
+SWAG collection, optional secure gradient noise from ember.csprng, exact checkpoint/resume and
+DistributedDataParallel under torchrun. See docs/train.md.
+"""
+
+from ember.train.checkpoint import load_checkpoint, save_checkpoint, weights_digest
+from ember.train.data import check_shards, image_class_loader, peek_image_shape
+from ember.train.errors import ConfigError
+from ember.train.loop import TrainConfig, TrainResult, evaluate, fit, predict
+from ember.train.noise import GaussianGradientNoise
+from ember.train.precision import PRECISIONS, Precision
+
+__all__ = [
+    "PRECISIONS",
+    "ConfigError",
+    "GaussianGradientNoise",
+    "Precision",
+    "TrainConfig",
+    "TrainResult",
+    "check_shards",
+    "evaluate",
+    "fit",
+    "image_class_loader",
+    "load_checkpoint",
+    "peek_image_shape",
+    "predict",
+    "save_checkpoint",
+    "weights_digest",
+]

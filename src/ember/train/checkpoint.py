@@ -1,0 +1,85 @@
+"""Training checkpoints: one file holding everything a run needs to continue bit for bit.
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, loaded with
+``torch.load(weights_only=True)`` so that opening one never runs pickled code. It is written to a
+temporary file in the same directory and renamed, so a run killed while saving leaves the previous
+checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.train.errors import ConfigError
+
+__all__ = ["CHECKPOINT_NAME", "FORMAT", "find_checkpoint", "load_checkpoint", "rng_state",
+           "save_checkpoint", "set_rng_state", "weights_digest"]
+
+FORMAT = "ember-train-checkpoint/1"
+CHECKPOINT_NAME = "last.pt"
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".writing")
+    torch.save({"format": FORMAT, **state}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` (tensors on CPU)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ConfigError(f"{path} is not an ember.train checkpoint (expected format {FORMAT!r})")
+    return state
+
+
+def find_checkpoint(resume: str | os.PathLike | None, checkpoint_dir: str | os.PathLike | None
+                    ) -> Path | None:
+    """The checkpoint to resume from: ``resume`` itself, or with ``resume="auto"`` the last
+    checkpoint in ``checkpoint_dir`` if there is one."""
+    if resume is None:
+        return None
+    if str(resume) == "auto":
+        if checkpoint_dir is None:
+            raise ConfigError("resume='auto' needs checkpoint_dir")
+        candidate = Path(checkpoint_dir) / CHECKPOINT_NAME
+        return candidate if candidate.is_file() else None
+    path = Path(resume)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    if not path.is_file():
+        raise ConfigError(f"resume: no checkpoint at {path}")
+    return path
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's global CPU generator state (dropout and friends draw from it)."""
+    return {"torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of a model's state dict."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

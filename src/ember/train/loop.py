@@ -1,0 +1,462 @@
+"""``fit``: an explicit training loop over ember's pieces.
+
+One epoch reads the loader once. Every batch is a micro-batch; every ``accumulate`` micro-batches
+make one optimizer step: (fp16) unscale, clip, optional secure noise, step, one scaler update.
+At the end of an epoch the SWA phase (from ``swa_start``) folds the weights into SWA and SWAG and
+steps SWALR; before it the user's scheduler is stepped. Checkpoints are taken only between
+optimizer steps, so a resumed run repeats exactly what the interrupted one would have done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from ember.swa import SWA, SWAG, SWALR, update_bn
+from ember.train.checkpoint import (
+    CHECKPOINT_NAME,
+    find_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    weights_digest,
+)
+from ember.train.distributed import World, all_gather_objects, init_from_env, shutdown, wrap_model
+from ember.train.errors import ConfigError
+from ember.train.metrics_log import MetricsLog
+from ember.train.noise import GaussianGradientNoise
+from ember.train.precision import PRECISIONS, Precision
+
+__all__ = ["TrainConfig", "TrainResult", "evaluate", "fit", "predict"]
+
+
+@dataclass
+class TrainConfig:
+    """Options of :func:`fit` (checked by :meth:`check`; every mistake is a :class:`ConfigError`).
+
+    - ``epochs``: passes over the training loader.
+    - ``precision``: ``"fp32"``, ``"bf16"`` (autocast, no loss scaling) or ``"fp16"`` (autocast
+      with ``torch.amp.GradScaler``; overflowing steps are skipped and counted).
+    - ``accumulate``: micro-batches per optimizer step (the loss is divided by it). Micro-batches
+      left over at the end of an epoch are discarded and counted.
+    - ``max_grad_norm``: clip the total gradient norm (after unscaling) to this.
+    - ``swa_start``: first epoch (0-based) of the SWA phase, or None for no SWA. In the phase the
+      learning rate follows SWALR to ``swa_lr`` over ``swa_anneal_epochs`` and, after each epoch,
+      the weights are added to SWA and (if ``swag_rank``) to a SWAG posterior of that rank.
+    - ``noise_multiplier``: add secure Gaussian noise of std ``noise_multiplier * max_grad_norm``
+      to the clipped gradients (DP-SGD style; not a privacy accountant, see docs/train.md).
+    - ``seed``: key of the ember.csprng generator the noise comes from (each rank uses
+      ``fold_in(rank)``); None keys it from the OS (secure, not reproducible across fresh runs,
+      but still restored exactly from a checkpoint).
+    - ``checkpoint_dir``: write ``last.pt`` there at the end of every epoch and, with
+      ``checkpoint_every``, every that many steps. ``resume``: a checkpoint file or directory, or
+      ``"auto"`` (the last checkpoint in ``checkpoint_dir`` if any).
+    - ``metrics_path``: JSON-lines log of steps (every ``log_every``) and epochs.
+    - ``progress``: tqdm bars (rank 0 only). ``device``: where the model trains.
+    """
+
+    epochs: int = 10
+    precision: str = "fp32"
+    accumulate: int = 1
+    max_grad_norm: float | None = None
+    swa_start: int | None = None
+    swa_lr: float | None = None
+    swa_anneal_epochs: int = 1
+    swag_rank: int | None = 20
+    noise_multiplier: float | None = None
+    seed: int | None = 0
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint_every: int | None = None
+    resume: str | os.PathLike | None = None
+    metrics_path: str | os.PathLike | None = None
+    log_every: int = 1
+    progress: bool = True
+    device: str = "cpu"
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid option."""
+        def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+        positive_int("epochs", self.epochs)
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {self.precision!r}; expected one of "
+                              f"{', '.join(PRECISIONS)}")
+        positive_int("accumulate", self.accumulate)
+        positive_int("swa_anneal_epochs", self.swa_anneal_epochs)
+        positive_int("swag_rank", self.swag_rank, allow_none=True)
+        positive_int("checkpoint_every", self.checkpoint_every, allow_none=True)
+        positive_int("log_every", self.log_every)
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm!r}")
+        if self.swa_start is not None:
+            if isinstance(self.swa_start, bool) or not isinstance(self.swa_start, int) \
+                    or not 0 <= self.swa_start < self.epochs:
+                raise ConfigError(f"swa_start must be an epoch in [0, epochs={self.epochs}), "
+                                  f"got {self.swa_start!r}")
+            if self.swa_lr is None or not self.swa_lr > 0:
+                raise ConfigError(f"swa_start needs swa_lr > 0, got swa_lr={self.swa_lr!r}")
+        elif self.swa_lr is not None:
+            raise ConfigError("swa_lr is set but swa_start is None (no SWA phase)")
+        if self.noise_multiplier is not None:
+            if not self.noise_multiplier > 0:
+                raise ConfigError(f"noise_multiplier must be > 0, got {self.noise_multiplier!r}")
+            if self.max_grad_norm is None:
+                raise ConfigError("noise_multiplier needs max_grad_norm: the noise is calibrated "
+                                  "to the clipping bound")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ConfigError("checkpoint_every needs checkpoint_dir")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise ConfigError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+
+@dataclass
+class _Progress:
+    """Where the run is; saved in checkpoints."""
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps taken (skipped ones included)
+    skipped_steps: int = 0  # fp16 steps skipped for non-finite gradients
+    dropped_microbatches: int = 0  # left over at epoch ends when accumulating
+    micro: int = 0  # micro-batches seen in the current epoch
+    epoch_loss_sum: float = 0.0
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    """What :func:`fit` returns."""
+
+    model: nn.Module
+    swa: SWA | None
+    swag: SWAG | None
+    history: list[dict]  # one record per epoch: train_loss, lr, eval metrics, ...
+    steps: int
+    skipped_steps: int
+    dropped_microbatches: int
+    world_size: int
+    rank: int
+    generator: torch.Generator  # this rank's ember.csprng substream
+    rank_digests: list[str]  # weights_digest of the model on every rank (all equal under DDP)
+    checkpoint: Path | None
+
+
+def _split_batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"expected batches of (inputs, targets), got {type(batch).__name__}"
+                        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+    x, y = batch
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def predict(model: nn.Module, loader: Iterable, precision: str | Precision = "fp32",
+            device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Class probabilities (float32) and targets over ``loader``'s ``(inputs, targets)`` batches."""
+    policy = precision if isinstance(precision, Precision) else Precision(precision)
+    was_training = model.training
+    model.eval()
+    probs, targets = [], []
+    try:
+        for batch in loader:
+            x, y = _split_batch(batch, torch.device(device))
+            with policy.autocast():
+                logits = model(x)
+            probs.append(torch.softmax(logits.float(), dim=-1).cpu())
+            targets.append(y.cpu())
+    finally:
+        model.train(was_training)
+    if not probs:
+        raise ValueError("predict: the loader yielded no batches")
+    return torch.cat(probs), torch.cat(targets)
+
+
+def evaluate(model: nn.Module, loader: Iterable, precision: str | Precision = "fp32",
+             device: str | torch.device = "cpu") -> dict[str, float]:
+    """Accuracy and mean negative log-likelihood of ``model`` on ``loader``."""
+    from ember.swa import accuracy, nll
+
+    probs, targets = predict(model, loader, precision, device)
+    return {"accuracy": accuracy(probs, targets), "nll": nll(probs, targets)}
+
+
+def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler | None, max_grad_norm: float | None,
+                    noise: GaussianGradientNoise | None) -> tuple[bool, float | None]:
+    """One real step on the accumulated gradients; returns (skipped, gradient norm before
+    clipping)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip and add noise to true gradients, not scaled ones
+    grad_norm = None
+    if max_grad_norm is not None:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    if noise is not None:
+        noise.add_(model.parameters())
+    skipped = False
+    if scaler is not None:
+        before = scaler.get_scale()
+        scaler.step(optimizer)  # skipped internally when unscale_ found inf/nan
+        scaler.update()
+        skipped = scaler.get_scale() < before  # the scale backs off exactly when a step is skipped
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return skipped, grad_norm
+
+
+def _lr(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _make_swalr(optimizer: torch.optim.Optimizer, config: TrainConfig) -> SWALR:
+    return SWALR(optimizer, swa_lr=config.swa_lr, anneal_epochs=config.swa_anneal_epochs,
+                 anneal_strategy="cos")
+
+
+def _checkpoint_state(world: World, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler: LRScheduler | None, swalr: SWALR | None,
+                      scaler: torch.amp.GradScaler | None, swa: SWA | None, swag: SWAG | None,
+                      generator: torch.Generator, loader: Any, progress: _Progress,
+                      config: TrainConfig) -> dict[str, Any] | None:
+    """The checkpoint dict on rank 0 (None elsewhere); every rank must call it (it gathers)."""
+    data_state = loader.state_dict() if hasattr(loader, "state_dict") else None
+    mine = {"rng": rng_state(), "ember": generator.get_state(), "data": data_state}
+    ranks = all_gather_objects(mine, world)
+    if not world.is_main:
+        return None
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "swalr": swalr.state_dict() if swalr is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "swa": swa.state_dict() if swa is not None else None,
+        "swag": swag.state_dict() if swag is not None else None,
+        "progress": asdict(progress),
+        "ranks": ranks,
+        "world_size": world.size,
+        "settings": {"precision": config.precision, "accumulate": config.accumulate,
+                     "swa_start": config.swa_start, "swag_rank": config.swag_rank},
+    }
+
+
+def _restore(state: dict[str, Any], world: World, model: nn.Module,
+             optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None,
+             scaler: torch.amp.GradScaler | None, swa: SWA | None, swag: SWAG | None,
+             generator: torch.Generator, loader: Any, config: TrainConfig) -> tuple[_Progress,
+                                                                                   SWALR | None]:
+    """Load a checkpoint into the run's objects; returns the progress and the SWALR if the SWA
+    phase had begun."""
+    if state["world_size"] != world.size:
+        raise ConfigError(f"checkpoint was written by {state['world_size']} processes, this run has "
+                          f"{world.size}; resume with the same number")
+    settings = {"precision": config.precision, "accumulate": config.accumulate,
+                "swa_start": config.swa_start, "swag_rank": config.swag_rank}
+    for key, value in settings.items():
+        if state["settings"][key] != value:
+            raise ConfigError(f"checkpoint was written with {key}={state['settings'][key]!r}, this "
+                              f"run has {key}={value!r}")
+    if (state["scheduler"] is None) != (scheduler is None):
+        raise ConfigError("checkpoint and this run disagree on whether an LR scheduler is used")
+    model.load_state_dict(state["model"])
+    # SWALR sets the learning rate when built, so build it before restoring the optimizer
+    swalr = _make_swalr(optimizer, config) if state["swalr"] is not None else None
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if swalr is not None:
+        swalr.load_state_dict(state["swalr"])
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    if swa is not None and state["swa"] is not None:
+        swa.load_state_dict(state["swa"])
+    if swag is not None and state["swag"] is not None:
+        swag.load_state_dict(state["swag"])
+    mine = state["ranks"][world.rank]
+    set_rng_state(mine["rng"])
+    generator.set_state(mine["ember"])
+    progress = _Progress(**state["progress"])
+    if mine["data"] is not None:
+        if not hasattr(loader, "load_state_dict"):
+            raise ConfigError("the checkpoint holds a data position but the training loader has no "
+                              "load_state_dict(); use an ember.shards.ShardLoader")
+        loader.load_state_dict(mine["data"])
+    elif progress.micro:
+        raise ConfigError("the checkpoint was taken mid-epoch with a loader that cannot resume "
+                          "mid-epoch; use an ember.shards.ShardLoader or checkpoint only at epoch "
+                          "ends")
+    return progress, swalr
+
+
+def _progress_bar(enabled: bool, epoch: int, epochs: int, loader: Any) -> Any:
+    from tqdm.auto import tqdm
+
+    try:
+        total = len(loader)
+    except TypeError:
+        total = None
+    return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", leave=False,
+                disable=not enabled, dynamic_ncols=True)
+
+
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterable,
+        config: TrainConfig | None = None, *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        scheduler: LRScheduler | None = None, eval_loader: Iterable | None = None,
+        bn_loader: Iterable | None = None,
+        on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+    """Train ``model`` on ``(inputs, targets)`` batches from ``train_loader``.
+
+    ``loss_fn(logits, targets)`` defaults to cross-entropy (logits are cast to float32 first).
+    ``scheduler`` is stepped once per epoch before the SWA phase. ``eval_loader`` (read on rank 0
+    only, so do not split it across ranks) adds test accuracy and NLL to each epoch's record.
+    ``bn_loader`` recomputes the SWA model's BatchNorm statistics at the end. ``on_step(step,
+    record)`` is called after every optimizer step (and after that step's checkpoint, if any).
+
+    Run under ``torchrun`` to train with DistributedDataParallel (gloo on CPU): each rank must
+    read its own part of the data with the same number of batches (``ShardDataset(...,
+    equalize="drop")``). A :class:`~ember.shards.ShardLoader` makes mid-epoch checkpoints exact.
+    """
+    config = config or TrainConfig()
+    config.check()
+    device = torch.device(config.device)
+    precision = Precision(config.precision, device.type)
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    world = init_from_env()
+    try:
+        return _fit(model, optimizer, train_loader, config, device, precision, loss_fn, scheduler,
+                    eval_loader, bn_loader, on_step, world)
+    finally:
+        shutdown(world)
+
+
+def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, scheduler,
+         eval_loader, bn_loader, on_step, world: World) -> TrainResult:
+    from ember.csprng import create_generator, create_random_device_generator
+
+    model.to(device)
+    net = wrap_model(model, world)
+    scaler = precision.make_scaler()
+    base = create_generator(config.seed) if config.seed is not None \
+        else create_random_device_generator()
+    generator = base.fold_in(world.rank)  # this rank's own substream
+    noise = None
+    if config.noise_multiplier is not None:
+        noise = GaussianGradientNoise(config.noise_multiplier, config.max_grad_norm, generator, world)
+    swa = SWA(model) if config.swa_start is not None else None
+    swag = SWAG(model, max_rank=config.swag_rank) if swa is not None and config.swag_rank else None
+    swalr: SWALR | None = None
+    progress = _Progress()
+    ckpt_path = Path(config.checkpoint_dir) / CHECKPOINT_NAME if config.checkpoint_dir else None
+
+    resume_from = find_checkpoint(config.resume, config.checkpoint_dir)
+    if resume_from is not None:
+        progress, swalr = _restore(load_checkpoint(resume_from), world, model, optimizer, scheduler,
+                                   scaler, swa, swag, generator, train_loader, config)
+    log = MetricsLog(config.metrics_path if world.is_main else None)
+    if resume_from is not None:
+        log.write("resume", checkpoint=str(resume_from), step=progress.step, epoch=progress.epoch)
+    else:
+        log.write("start", precision=config.precision, world_size=world.size, epochs=config.epochs,
+                  accumulate=config.accumulate)
+
+    def checkpoint() -> None:
+        state = _checkpoint_state(world, model, optimizer, scheduler, swalr, scaler, swa, swag,
+                                  generator, train_loader, progress, config)
+        if state is not None:
+            save_checkpoint(ckpt_path, state)
+
+    try:
+        for epoch in range(progress.epoch, config.epochs):
+            in_swa_phase = config.swa_start is not None and epoch >= config.swa_start
+            if in_swa_phase and swalr is None:
+                swalr = _make_swalr(optimizer, config)
+            net.train()
+            bar = _progress_bar(config.progress and world.is_main, epoch, config.epochs, train_loader)
+            for batch in train_loader:
+                x, y = _split_batch(batch, device)
+                closes_step = (progress.micro + 1) % config.accumulate == 0
+                # DDP all-reduces gradients only on the micro-batch that closes a step
+                sync = net.no_sync() if world.distributed and not closes_step \
+                    else contextlib.nullcontext()
+                with sync:
+                    with precision.autocast():
+                        logits = net(x)
+                    loss = loss_fn(logits.float(), y)
+                    scaled = loss / config.accumulate
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                progress.micro += 1
+                progress.epoch_loss_sum += float(loss.detach())
+                bar.update(1)
+                if not closes_step:
+                    continue
+
+                skipped, grad_norm = _optimizer_step(model, optimizer, scaler, config.max_grad_norm,
+                                                     noise)
+                progress.step += 1
+                progress.skipped_steps += skipped
+                record = {"step": progress.step, "epoch": epoch, "loss": float(loss.detach()),
+                          "lr": _lr(optimizer), "skipped": skipped}
+                if grad_norm is not None:
+                    record["grad_norm"] = grad_norm
+                if scaler is not None:
+                    record["scale"] = scaler.get_scale()
+                if progress.step % config.log_every == 0 or skipped:
+                    log.write("step", **record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", skipped=progress.skipped_steps)
+                if config.checkpoint_every and progress.step % config.checkpoint_every == 0:
+                    checkpoint()
+                if on_step is not None:
+                    on_step(progress.step, record)
+            bar.close()
+
+            leftover = progress.micro % config.accumulate
+            if leftover:
+                optimizer.zero_grad(set_to_none=True)
+                progress.dropped_microbatches += leftover
+            batches = progress.micro
+            if in_swa_phase:
+                swa.update(model)
+                if swag is not None:
+                    swag.collect(model)
+                swalr.step()
+            elif scheduler is not None:
+                scheduler.step()
+            record = {"epoch": epoch, "train_loss": progress.epoch_loss_sum / max(batches, 1),
+                      "batches": batches, "steps": progress.step, "lr": _lr(optimizer),
+                      "skipped_steps": progress.skipped_steps, "swa": in_swa_phase}
+            if eval_loader is not None and world.is_main:
+                record.update({f"eval_{k}": v for k, v in
+                               evaluate(model, eval_loader, precision, device).items()})
+            progress.history.append(record)
+            log.write("epoch", **record)
+            progress.epoch, progress.micro, progress.epoch_loss_sum = epoch + 1, 0, 0.0
+            if ckpt_path is not None:
+                checkpoint()
+
+        if swa is not None and bn_loader is not None:
+            update_bn(bn_loader, swa.module, device=device)
+        digests = all_gather_objects(weights_digest(model), world)
+        log.write("end", steps=progress.step, skipped_steps=progress.skipped_steps,
+                  dropped_microbatches=progress.dropped_microbatches,
+                  ranks_in_sync=len(set(digests)) == 1)
+    finally:
+        log.close()
+    return TrainResult(model=model, swa=swa, swag=swag, history=progress.history,
+                       steps=progress.step, skipped_steps=progress.skipped_steps,
+                       dropped_microbatches=progress.dropped_microbatches, world_size=world.size,
+                       rank=world.rank, generator=generator, rank_digests=digests,
+                       checkpoint=ckpt_path)
