@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ember.csprng.benchmark import format_table, run
+from ember.csprng.benchmark import call_overhead_us, format_table, run
 
 
 def main() -> int:
@@ -22,10 +22,14 @@ def main() -> int:
     args = ap.parse_args()
     rows = run(quick=args.quick)
     print(format_table(rows))
+    overhead = call_overhead_us()
+    print("\nper-call cost (us):")
+    for name, value in overhead.items():
+        print(f"  {name:<30}{value:8.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine()}
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    args.json.write_text(json.dumps({"meta": meta, "rows": rows, "call_us": overhead}, indent=2))
     print(f"wrote {args.json}")
     return 0
 

@@ -86,6 +86,28 @@ def run(quick: bool = False, sizes_mib: tuple[int, ...] | None = None) -> list[d
     return rows
 
 
+def call_overhead_us(number: int = 20000) -> dict[str, float]:
+    """Microseconds per call: what routing adds to torch's own random calls, and small ember draws."""
+    import timeit
+
+    from . import torch_adapter
+
+    original = torch_adapter._ORIGINALS.get((torch, "rand"), torch.rand)
+    plain, ember = torch.Generator(), create_generator(0)
+    x = torch.empty(4)
+
+    def us(fn: Callable[[], object]) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+
+    return {
+        "torch.add (not routed)": us(lambda: torch.add(x, x)),
+        "torch.rand(4), routed": us(lambda: torch.rand(4, generator=plain)),
+        "torch.rand(4), original": us(lambda: original(4, generator=plain)),
+        "torch.rand(4, ember)": us(lambda: torch.rand(4, generator=ember)),
+        "x.normal_(ember), 4 values": us(lambda: x.normal_(generator=ember)),
+    }
+
+
 def format_table(rows: list[dict]) -> str:
     head = f"{'case':<24}{'MiB':>6}{'ember GB/s':>12}{'torch GB/s':>12}{'ratio':>8}{'goal':>7}  met"
     lines = [head, "-" * len(head)]
