@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,6 +301,24 @@ def _restore(state: dict[str, Any], world: World, model: nn.Module,
     return progress, swalr
 
 
+def _batches(loader: Iterable) -> Iterator:
+    """``loader``'s batches, hiding its draws from torch's global generator from the model.
+
+    A DataLoader draws a seed from the global generator when an epoch's iterator starts; a resumed
+    run starts it at a different point, so without this dropout masks would differ after resuming.
+    """
+    it = iter(loader)
+    while True:
+        state = torch.get_rng_state()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        finally:
+            torch.set_rng_state(state)
+        yield batch
+
+
 def _progress_bar(enabled: bool, epoch: int, epochs: int, loader: Any) -> Any:
     from tqdm.auto import tqdm
 
@@ -386,7 +404,7 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 swalr = _make_swalr(optimizer, config)
             net.train()
             bar = _progress_bar(config.progress and world.is_main, epoch, config.epochs, train_loader)
-            for batch in train_loader:
+            for batch in _batches(train_loader):
                 x, y = _split_batch(batch, device)
                 closes_step = (progress.micro + 1) % config.accumulate == 0
                 # DDP all-reduces gradients only on the micro-batch that closes a step

@@ -1,0 +1,98 @@
+"""A run killed and resumed from its last checkpoint ends with bit-identical state (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from ember.train import TrainConfig, fit, image_class_loader, weights_digest
+from ember.train.errors import ConfigError
+
+
+class Killed(RuntimeError):
+    pass
+
+
+def _setup(urls: str):
+    from ember.csprng import create_generator
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.2),
+                          nn.Linear(32, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    loader = image_class_loader(urls, 16, seed=3, shuffle=64, grayscale=True,
+                                generator=create_generator(7))
+    return model, opt, sched, loader
+
+
+def _config(tmp, **kw) -> TrainConfig:
+    base = dict(epochs=4, accumulate=2, max_grad_norm=1.0, noise_multiplier=0.05, swa_start=2,
+                swa_lr=0.02, swag_rank=2, seed=11, checkpoint_dir=tmp / "ckpt", progress=False,
+                metrics_path=tmp / "metrics.jsonl")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _final(result) -> dict:
+    return {"model": weights_digest(result.model), "swa": weights_digest(result.swa.module),
+            "swag": {k: v.clone() for k, v in result.swag.state_dict().items()
+                     if isinstance(v, torch.Tensor)},
+            "stream": result.generator.get_state().clone(), "steps": result.steps,
+            "history": [{k: v for k, v in r.items()} for r in result.history]}
+
+
+def _run(urls, tmp, kill_at=None, **kw):
+    model, opt, sched, loader = _setup(urls)
+
+    def on_step(step, record):
+        if step == kill_at:
+            raise Killed(step)
+
+    return fit(model, opt, loader, _config(tmp, **kw), scheduler=sched, on_step=on_step)
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a["model"] == b["model"]
+    assert a["swa"] == b["swa"]
+    assert a["swag"].keys() == b["swag"].keys()
+    for k in a["swag"]:
+        assert torch.equal(a["swag"][k], b["swag"][k]), k
+    assert torch.equal(a["stream"], b["stream"])
+    assert a["steps"] == b["steps"]
+    assert a["history"] == b["history"]
+
+
+@pytest.mark.parametrize("kill_at", [7, 27])  # mid-epoch before SWA, and inside the SWA phase
+def test_killed_and_resumed_run_is_bit_identical(digits_shards, tmp_path, kill_at):
+    urls = digits_shards["train_small"]
+    reference = _final(_run(urls, tmp_path / "ref"))
+    assert reference["steps"] > kill_at
+
+    with pytest.raises(Killed):
+        _run(urls, tmp_path / "cut", kill_at=kill_at, checkpoint_every=3)
+    # the next process starts from scratch: new model, optimizer, loader, generators
+    torch.manual_seed(12345)
+    resumed = _final(_run(urls, tmp_path / "cut", resume="auto", checkpoint_every=3))
+    _assert_same(reference, resumed)
+
+    events = [json.loads(line)["event"] for line in (tmp_path / "cut" / "metrics.jsonl").open()]
+    assert events.count("resume") == 1 and events[-1] == "end"
+
+
+def test_resume_is_refused_when_settings_differ(digits_shards, tmp_path):
+    urls = digits_shards["train_small"]
+    with pytest.raises(Killed):
+        _run(urls, tmp_path, kill_at=4, checkpoint_every=2)
+    with pytest.raises(ConfigError, match="accumulate=2"):
+        _run(urls, tmp_path, resume="auto", accumulate=1)
+    with pytest.raises(ConfigError, match="precision"):
+        _run(urls, tmp_path, resume="auto", precision="bf16")
+
+
+def test_resume_from_missing_checkpoint_is_a_clear_error(digits_shards, tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        _run(digits_shards["train_small"], tmp_path, resume=tmp_path / "nothing.pt")
