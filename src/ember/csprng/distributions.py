@@ -236,28 +236,30 @@ class NativeSampler:
         def body(plo: int, phi: int, w: np.ndarray) -> None:
             m = phi - plo
             lo, hi = 2 * plo, min(2 * phi, n)
-            iw = np.empty(m, word)
-            r, th, tr = np.empty(m, cd), np.empty(m, cd), np.empty(m, cd)
+            k = np.empty((2, m), word)  # row 0: radius words, row 1: angle words (contiguous)
+            np.copyto(k, w.reshape(m, 2).T)
+            np.bitwise_and(k, mask, out=k)
+            r, th, c = np.empty(m, cd), np.empty(m, cd), np.empty(m, cd)
             # radius from u1 = (k + 1) * 2**-bits in (0, 1]; angle from u2 = k * 2**-bits
-            np.bitwise_and(w[0::2], mask, out=iw)
-            np.add(iw, 1, out=iw)
-            np.multiply(iw, unit, out=r, dtype=cd, casting="unsafe")
+            np.add(k[0], 1, out=k[0])
+            np.multiply(k[0], unit, out=r, dtype=cd, casting="unsafe")
             np.log(r, out=r)
             np.multiply(r, cd(-2.0), out=r)
             np.sqrt(r, out=r)
-            np.bitwise_and(w[1::2], mask, out=iw)
-            np.multiply(iw, angle, out=th, dtype=cd, casting="unsafe")
+            np.multiply(k[1], angle, out=th, dtype=cd, casting="unsafe")
+            np.cos(th, out=c)
+            np.sin(th, out=th)
+            np.multiply(c, r, out=c)
+            np.multiply(th, r, out=th)
+            for part in (c, th):
+                if affine:
+                    np.multiply(part, std_c, out=part)
+                    np.add(part, mean_c, out=part)
+                if log:
+                    np.exp(part, out=part)
             dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
             z = dst if dst is not None else np.empty(2 * m, cd)
-            np.cos(th, out=tr)
-            np.multiply(r, tr, out=z[0::2])
-            np.sin(th, out=th)
-            np.multiply(r, th, out=z[1::2])
-            if affine:
-                np.multiply(z, std_c, out=z)
-                np.add(z, mean_c, out=z)
-            if log:
-                np.exp(z, out=z)
+            np.stack((c, th), axis=1, out=z.reshape(m, 2))
             if dst is None:
                 sink.write(lo, hi, z[: hi - lo])
 
