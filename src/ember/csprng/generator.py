@@ -187,8 +187,7 @@ class Generator(torch.Generator):
         if self._stream is None:
             raise NotImplementedError(
                 "the torchcsprng-compatible generator has no substreams; use create_generator")
-        child = Generator.__new__(Generator)
-        Generator.__init__(child)
+        child = Generator()
         child._set_stream("derived", derive_key(self._stream.key, label, index), 0, self.cipher,
                           from_os=self._from_os)
         child.allow_pickle = self.allow_pickle
