@@ -1,0 +1,51 @@
+"""DistributedDataParallel with 2 CPU processes (gloo, loopback) launched by torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
+                                or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "ember.cli", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_two_process_ddp_keeps_ranks_in_sync_with_per_rank_streams(digits_shards, tmp_path):
+    out = tmp_path / "out"
+    args = ["train", "--data", digits_shards["train"], "--num-classes", "10", "--grayscale",
+            "--epochs", "2", "--batch-size", "32", "--accumulate", "2", "--clip-grad-norm", "1",
+            "--dp-noise-multiplier", "0.01", "--swa-start", "1", "--swag-rank", "2",
+            "--checkpoint-every", "5", "--out", str(out), "--no-progress"]
+    proc = _torchrun(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    # DDP averaged the gradients and the ranks averaged their noise: identical weights ...
+    assert summary["ranks_in_sync"] and len(summary["rank_digests"]) == 2
+    # ... although each rank drew from its own ember.csprng substream (fold_in(rank))
+    assert summary["rank_streams"][0] != summary["rank_streams"][1]
+    # each rank read its own half of the shards: half the batches of one process per epoch
+    per_epoch = summary["history"][0]["batches"]
+    assert 0 < per_epoch * 32 * 2 <= digits_shards["n_train"]
+    assert (out / "checkpoints" / "last.pt").is_file() and (out / "swa.pt").is_file()
+    assert "trained" in proc.stdout and "2 process(es)" in proc.stdout
