@@ -28,11 +28,11 @@ DEFAULT_OUT = Path("ember-demo-out")
 class DemoSettings:
     """Sizes of the demo run (``quick`` is the reduced one used by tests)."""
 
-    epochs: int = 40
-    swa_start: int = 25
+    epochs: int = 30
+    swa_start: int = 15
     batch_size: int = 32
-    lr: float = 0.05
-    swa_lr: float = 0.02
+    lr: float = 0.1
+    swa_lr: float = 0.05
     hidden: int = 128
     swag_rank: int = 10
     swag_samples: int = 30

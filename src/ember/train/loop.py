@@ -319,15 +319,10 @@ def _batches(loader: Iterable) -> Iterator:
         yield batch
 
 
-def _progress_bar(enabled: bool, epoch: int, epochs: int, loader: Any) -> Any:
+def _progress_bar(enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
-    try:
-        total = len(loader)
-    except TypeError:
-        total = None
-    return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", unit="batch", leave=False,
-                disable=not enabled, dynamic_ncols=True)
+    return tqdm(unit="batch", disable=not enabled, dynamic_ncols=True, mininterval=0.5)
 
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterable,
@@ -397,13 +392,14 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
         if state is not None:
             save_checkpoint(ckpt_path, state)
 
+    bar = _progress_bar(config.progress and world.is_main)
     try:
         for epoch in range(progress.epoch, config.epochs):
             in_swa_phase = config.swa_start is not None and epoch >= config.swa_start
             if in_swa_phase and swalr is None:
                 swalr = _make_swalr(optimizer, config)
             net.train()
-            bar = _progress_bar(config.progress and world.is_main, epoch, config.epochs, train_loader)
+            bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
             for batch in _batches(train_loader):
                 x, y = _split_batch(batch, device)
                 closes_step = (progress.micro + 1) % config.accumulate == 0
@@ -434,12 +430,11 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                     record["scale"] = scaler.get_scale()
                 if progress.step % config.log_every == 0 or skipped:
                     log.write("step", **record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", skipped=progress.skipped_steps)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", skipped=progress.skipped_steps, refresh=False)
                 if config.checkpoint_every and progress.step % config.checkpoint_every == 0:
                     checkpoint()
                 if on_step is not None:
                     on_step(progress.step, record)
-            bar.close()
 
             leftover = progress.micro % config.accumulate
             if leftover:
@@ -472,6 +467,7 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                   dropped_microbatches=progress.dropped_microbatches,
                   ranks_in_sync=len(set(digests)) == 1)
     finally:
+        bar.close()
         log.close()
     return TrainResult(model=model, swa=swa, swag=swag, history=progress.history,
                        steps=progress.step, skipped_steps=progress.skipped_steps,
