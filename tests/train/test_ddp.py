@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +24,9 @@ def _free_port() -> int:
 
 
 def _torchrun(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=2`` on loopback; ``args`` start with ``-m module`` or a script."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "ember.cli", *args]
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     env.pop("WORLD_SIZE", None)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -32,7 +34,8 @@ def _torchrun(args: list[str], timeout: float = 150) -> subprocess.CompletedProc
 
 def test_two_process_ddp_keeps_ranks_in_sync_with_per_rank_streams(digits_shards, tmp_path):
     out = tmp_path / "out"
-    args = ["train", "--data", digits_shards["train"], "--num-classes", "10", "--grayscale",
+    args = ["-m", "ember.cli", "train", "--data", digits_shards["train"], "--num-classes", "10",
+            "--grayscale",
             "--epochs", "2", "--batch-size", "32", "--accumulate", "2", "--clip-grad-norm", "1",
             "--dp-noise-multiplier", "0.01", "--swa-start", "1", "--swag-rank", "2",
             "--checkpoint-every", "5", "--out", str(out), "--no-progress"]
@@ -49,3 +52,24 @@ def test_two_process_ddp_keeps_ranks_in_sync_with_per_rank_streams(digits_shards
     assert 0 < per_epoch * 32 * 2 <= digits_shards["n_train"]
     assert (out / "checkpoints" / "last.pt").is_file() and (out / "swa.pt").is_file()
     assert "trained" in proc.stdout and "2 process(es)" in proc.stdout
+
+
+def test_two_process_ddp_killed_and_resumed_is_bit_identical(digits_shards, tmp_path):
+    job = str(Path(__file__).with_name("ddp_resume_job.py"))
+    urls = digits_shards["train_small"]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    for d in (ref, cut):
+        d.mkdir()
+    proc = _torchrun([job, urls, str(ref), "0", ""])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _torchrun([job, urls, str(cut), "9", ""])  # both ranks stop at step 9, after step 8's save
+    assert proc.returncode != 0 and not (cut / "result.json").exists()
+    saved = torch.load(cut / "ckpt" / "last.pt", weights_only=True)
+    assert saved["progress"]["step"] == 8 and saved["world_size"] == 2  # the resume is real
+    proc = _torchrun([job, urls, str(cut), "0", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = json.loads((ref / "result.json").read_text())
+    b = json.loads((cut / "result.json").read_text())
+    assert a["steps"] > 9
+    assert len(set(a["digests"])) == 1
+    assert a == b
