@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -80,3 +82,20 @@ def test_batches_must_be_input_target_pairs():
     with pytest.raises(TypeError, match=r"expected batches of \(inputs, targets\)"):
         fit(model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.zeros(3, 2)],
             TrainConfig(epochs=1, progress=False))
+
+
+def test_ember_train_resumes_and_extends_a_run(tmp_path, capsys, digits_shards):
+    common = ["train", "--data", digits_shards["train_small"], "--eval-data", digits_shards["test"],
+              "--num-classes", "10", "--grayscale", "--batch-size", "32", "--out", str(tmp_path),
+              "--no-progress", "--resume", "auto"]
+    assert main(common + ["--epochs", "1"]) == 0
+    first = json.loads((tmp_path / "summary.json").read_text())
+    assert main(common + ["--epochs", "2"]) == 0  # continues from the epoch-1 checkpoint
+    second = json.loads((tmp_path / "summary.json").read_text())
+    assert second["steps"] == 2 * first["steps"]
+    assert [r["epoch"] for r in second["history"]] == [0, 1]
+    assert second["history"][0] == first["history"][0]
+    events = [json.loads(x)["event"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert events.count("start") == 1 and events.count("resume") == 1
+    assert "test accuracy" in capsys.readouterr().out
+    assert (tmp_path / "model.pt").is_file()

@@ -16,7 +16,7 @@ class Killed(RuntimeError):
     pass
 
 
-def _setup(urls: str):
+def _setup(urls: str, workers: int = 0):
     from ember.csprng import create_generator
 
     torch.manual_seed(0)
@@ -25,7 +25,7 @@ def _setup(urls: str):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     loader = image_class_loader(urls, 16, seed=3, shuffle=64, grayscale=True,
-                                generator=create_generator(7))
+                                generator=create_generator(7), num_workers=workers)
     return model, opt, sched, loader
 
 
@@ -45,8 +45,8 @@ def _final(result) -> dict:
             "history": [{k: v for k, v in r.items()} for r in result.history]}
 
 
-def _run(urls, tmp, kill_at=None, **kw):
-    model, opt, sched, loader = _setup(urls)
+def _run(urls, tmp, kill_at=None, workers=0, **kw):
+    model, opt, sched, loader = _setup(urls, workers)
 
     def on_step(step, record):
         if step == kill_at:
@@ -96,3 +96,13 @@ def test_resume_is_refused_when_settings_differ(digits_shards, tmp_path):
 def test_resume_from_missing_checkpoint_is_a_clear_error(digits_shards, tmp_path):
     with pytest.raises(ConfigError, match="no checkpoint"):
         _run(digits_shards["train_small"], tmp_path, resume=tmp_path / "nothing.pt")
+
+
+def test_resume_is_bit_identical_with_dataloader_workers(digits_shards, tmp_path):
+    urls = digits_shards["train_small"]
+    reference = _final(_run(urls, tmp_path / "ref", workers=2, epochs=2, swa_start=1))
+    with pytest.raises(Killed):
+        _run(urls, tmp_path / "cut", kill_at=5, workers=2, epochs=2, swa_start=1, checkpoint_every=2)
+    resumed = _final(_run(urls, tmp_path / "cut", workers=2, epochs=2, swa_start=1, checkpoint_every=2,
+                          resume="auto"))
+    _assert_same(reference, resumed)
