@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["World", "all_gather_objects", "init_from_env", "shutdown", "wrap_model"]
+__all__ = ["World", "all_gather_objects", "average_", "init_from_env", "shutdown", "wrap_model"]
 
 
 @dataclass(frozen=True)
