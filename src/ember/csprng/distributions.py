@@ -77,7 +77,7 @@ def _words(n: int, word_dtype: type) -> np.ndarray:
         np.empty(n, dtype=dtype)
 
 
-PARALLEL_BYTES = 4 << 20  # draws of at least this much keystream are split across threads
+PARALLEL_BYTES = 1 << 20  # draws of at least this much keystream are split across threads
 # Threads work on larger chunks: fewer Python-level steps means less contention for the GIL.
 PARALLEL_CHUNK_BYTES = 1 << 20
 _pool: ThreadPoolExecutor | None = None
@@ -117,14 +117,16 @@ def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body) -> N
         for a, b, w in _chunks(draw, 0, n, words_per_item, word_dtype):
             body(a, b, w)
         return
-    step = max(PARALLEL_CHUNK_BYTES // wbytes, 1)
+    # big chunks when every thread gets several of them, cache-sized ones otherwise
+    chunk_bytes = PARALLEL_CHUNK_BYTES if nbytes >= 4 * workers * PARALLEL_CHUNK_BYTES else CHUNK_BYTES
+    step = max(chunk_bytes // wbytes, 1)
     nchunks = -(-n // step)
     per = -(-nchunks // workers) * step  # items per thread, in whole chunks
     parts = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
 
     def run(lo: int, hi: int) -> None:
         sub = draw.part(lo * wbytes // BLOCK_BYTES, blocks_for((hi - lo) * wbytes))
-        for a, b, w in _chunks(sub, lo, hi, words_per_item, word_dtype, PARALLEL_CHUNK_BYTES):
+        for a, b, w in _chunks(sub, lo, hi, words_per_item, word_dtype, chunk_bytes):
             body(a, b, w)
 
     futures = [_executor(workers).submit(run, lo, hi) for lo, hi in parts]
