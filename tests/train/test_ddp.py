@@ -24,12 +24,21 @@ def _free_port() -> int:
 
 
 def _torchrun(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=2`` on loopback; ``args`` start with ``-m module`` or a script."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args]
+    """``torchrun --nproc_per_node=2`` on loopback; ``args`` start with ``-m module`` or a script.
+
+    The free port is found before torchrun binds it, so another process can take it in between:
+    that one failure (and only it) is retried with a new port.
+    """
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    for _ in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if "address already in use" not in (proc.stdout + proc.stderr).lower():
+            break
+    return proc
 
 
 def test_two_process_ddp_keeps_ranks_in_sync_with_per_rank_streams(digits_shards, tmp_path):
