@@ -10,7 +10,9 @@ learning curve and reliability diagrams as PNG files.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +202,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    missing = [m for m in ("sklearn", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"ember demo: error: needs {' and '.join(missing)}; install them with "
+              "pip install 'ember[demo]'", file=sys.stderr)
+        return 2
     run_demo(args.out, quick=args.quick, progress=not args.no_progress,
              benchmark=not args.no_benchmark)
     return 0
