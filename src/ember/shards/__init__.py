@@ -1,0 +1,23 @@
+"""ember.shards: read and write WebDataset-format tar shards from disk, HTTP, S3 and pipes.
+
+Reading: :class:`ShardDataset` (an IterableDataset with a webdataset-like fluent pipeline) and
+:class:`ShardLoader` (a DataLoader wrapper with exact ``state_dict()``). Writing:
+:class:`TarWriter`, :class:`ShardWriter`. Tools: ``ember shards ...``.
+"""
+
+from ember.shards.dataset import ShardDataset, ShardLoader, iter_shard, rank_and_world
+from ember.shards.decode import Decoder, handle_extension, imagehandler
+from ember.shards.errors import DecodeError, FormatError, ShardError, TruncatedShardError
+from ember.shards.format import group_samples, split_name
+from ember.shards.stages import default_collate
+from ember.shards.urls import UrlOptions, expand_urls, open_url
+from ember.shards.writer import ShardWriter, TarWriter, encode_field
+
+__all__ = [
+    "ShardDataset", "ShardLoader", "iter_shard", "rank_and_world",
+    "Decoder", "handle_extension", "imagehandler",
+    "ShardError", "FormatError", "TruncatedShardError", "DecodeError",
+    "split_name", "group_samples", "default_collate",
+    "expand_urls", "open_url", "UrlOptions",
+    "TarWriter", "ShardWriter", "encode_field",
+]

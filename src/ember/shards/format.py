@@ -1,0 +1,94 @@
+"""The WebDataset naming rules: member name <-> (key, extension), and members -> samples.
+
+Both the reader and the writer import this module, so the two can never disagree about what a
+sample is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from ember.shards.errors import FormatError
+
+__all__ = ["split_name", "member_name", "group_samples", "is_metadata", "check_sample_names"]
+
+META_KEYS = ("__key__", "__url__")
+
+
+def is_metadata(name: str) -> bool:
+    """Whether a member name is a metadata entry such as ``__meta__`` (not a sample member)."""
+    last = name[name.rfind("/") + 1 :]
+    return len(last) >= 4 and last.startswith("__") and last.endswith("__")
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """Return ``(key, extension)`` for a member name, or None if it belongs to no sample.
+
+    The split is at the first dot of the last path component; the extension is lower-cased.
+    """
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return None
+    last = name[slash:]
+    if last.startswith("__") and last.endswith("__"):
+        return None
+    return name[:dot], name[dot + 1 :].lower()
+
+
+def member_name(key: str, ext: str) -> str:
+    """The member name under which ``ext`` of the sample ``key`` is stored (inverse of split_name)."""
+    return f"{key}.{ext}"
+
+
+def check_sample_names(key: str, exts: Iterable[str]) -> None:
+    """Raise FormatError unless ``key`` and ``exts`` survive a write/read round trip unchanged."""
+    if not isinstance(key, str) or not key:
+        raise FormatError(f"sample key must be a non-empty string, got {key!r}")
+    last = key[key.rfind("/") + 1 :]
+    if "." in last:
+        raise FormatError(
+            f"sample key {key!r} has a dot in its last path component; the reader would split it"
+        )
+    if not last:
+        raise FormatError(f"sample key {key!r} ends with '/'")
+    for ext in exts:
+        if not ext or ext != ext.lower() or ext.startswith("__") or "/" in ext:
+            raise FormatError(
+                f"extension {ext!r} of sample {key!r} must be non-empty, lower-case, without '/' "
+                "and not start with '__'"
+            )
+
+
+def group_samples(
+    members: Iterable[tuple[str, bytes, int]], url: str
+) -> Iterator[dict[str, object]]:
+    """Group consecutive members ``(name, data, offset)`` with the same key into sample dicts.
+
+    A sample is yielded only once the next key starts or the member stream ends normally, so an
+    exception from ``members`` (a truncated shard) never lets an incomplete sample through.
+    """
+    current: dict[str, object] | None = None
+    key = None
+    for name, data, offset in members:
+        slash = name.rfind("/") + 1
+        dot = name.find(".", slash)
+        if dot < 0:
+            continue
+        last = name[slash:]
+        if last[:2] == "__" and last[-2:] == "__":
+            continue
+        k = name[:dot]
+        ext = name[dot + 1 :].lower()
+        if k != key or current is None:
+            if current is not None:
+                yield current
+            current = {"__key__": k, "__url__": url}
+            key = k
+        if ext in current:
+            if ext in META_KEYS:
+                raise FormatError(f"member {name!r} uses the reserved extension {ext!r}", url, offset)
+            raise FormatError(f"duplicate file name {name!r} in sample {k!r}", url, offset)
+        current[ext] = data
+    if current is not None:
+        yield current

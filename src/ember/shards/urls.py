@@ -1,0 +1,443 @@
+"""Shard URLs: brace expansion, and opening a URL as a byte stream.
+
+Supported: local paths and ``file:``, ``http(s)://`` (retries, timeouts, resume by byte range),
+``s3://`` (boto3, imported only when used; endpoint configurable for MinIO/AIStore/moto) and
+``pipe:CMD`` (only when explicitly allowed; the process is always reaped). This is the only module of
+ember.shards that touches the network or starts processes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from ember.shards.errors import ShardError
+
+__all__ = ["expand_urls", "open_url", "UrlOptions", "local_path"]
+
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+def _matching_brace(s: str, start: int) -> int:
+    depth = 0
+    for i in range(start, len(s)):
+        if s[i] == "{":
+            depth += 1
+        elif s[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced '{{' in URL pattern {s!r}")
+
+
+def _split_top(body: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in body:
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        depth += ch == "{"
+        depth -= ch == "}"
+        cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+def _expand_one(s: str) -> list[str]:
+    start = s.find("{")
+    if start < 0:
+        if "}" in s:
+            raise ValueError(f"unbalanced '}}' in URL pattern {s!r}")
+        return [s]
+    end = _matching_brace(s, start)
+    head, body, tail = s[:start], s[start + 1 : end], s[end + 1 :]
+    m = _RANGE.match(body)
+    if m:
+        a, b = m.group(1), m.group(2)
+        lo, hi = int(a), int(b)
+        padded = (len(a) > 1 and a.startswith("0")) or (len(b) > 1 and b.startswith("0"))
+        width = max(len(a), len(b)) if padded else 0
+        step = 1 if hi >= lo else -1
+        choices = [str(i).zfill(width) for i in range(lo, hi + step, step)]
+    elif "," in body:
+        choices = [c for part in _split_top(body) for c in _expand_one(part)]
+    else:
+        raise ValueError(f"brace group {{{body}}} in {s!r} is neither a range a..b nor a list a,b")
+    tails = _expand_one(tail)
+    return [head + c + t for c in choices for t in tails]
+
+
+def expand_urls(urls: str | Path | Iterable) -> list[str]:
+    """Expand a URL spec into a flat list of shard URLs.
+
+    Accepts a string with brace groups (``{000..012}`` keeps zero padding, ``{a,b}`` lists
+    alternatives, several groups multiply out), a path, or a (nested) list of these.
+    """
+    if isinstance(urls, Path):
+        return [str(urls)]
+    if isinstance(urls, str):
+        return _expand_one(urls)
+    out: list[str] = []
+    for item in urls:
+        out.extend(expand_urls(item))
+    return out
+
+
+@dataclass(frozen=True)
+class UrlOptions:
+    """How shard URLs are opened.
+
+    ``timeout`` is the socket timeout in seconds; ``retries`` the number of consecutive failed
+    attempts tolerated per shard (a resumed read that makes progress resets it); ``allow_pipe``
+    enables ``pipe:`` URLs; ``s3_endpoint`` overrides the S3 endpoint (else the
+    ``EMBER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL`` environment variable, else AWS).
+    """
+
+    timeout: float = 60.0
+    retries: int = 5
+    backoff: float = 0.2
+    allow_pipe: bool = False
+    s3_endpoint: str | None = None
+
+
+def local_path(url: str) -> Path | None:
+    """The filesystem path of a local URL (plain path or ``file:``), else None."""
+    if url.startswith("file:"):
+        parsed = urllib.parse.urlsplit(url)
+        path = urllib.parse.unquote(parsed.path if parsed.netloc in ("", "localhost") else url[5:])
+        if sys.platform == "win32" and re.match(r"^/[A-Za-z]:", path):
+            path = path[1:]
+        return Path(path)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", url) and not re.match(r"^[A-Za-z]:[\\/]", url):
+        return None
+    return Path(url)
+
+
+def open_url(url: str, options: UrlOptions | None = None) -> BinaryIO:
+    """Open a shard URL for sequential reading; the caller must close the result."""
+    options = options or UrlOptions()
+    if url.startswith("pipe:"):
+        if not options.allow_pipe:
+            raise ShardError("pipe: URLs run shell commands and are disabled; pass allow_pipe=True", url)
+        return _PipeStream(url[5:], url)
+    if url.startswith(("http://", "https://")):
+        return _RetryingStream(url, _HttpOpener(url, options.timeout), options)
+    if url.startswith("s3://"):
+        return _RetryingStream(url, _S3Opener(url, options), options)
+    path = local_path(url)
+    if path is None:
+        scheme = url.split(":", 1)[0]
+        raise ShardError(f"unsupported URL scheme {scheme!r} (use a local path, file:, http(s)://, "
+                         "s3:// or pipe:)", url)
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise ShardError("no such file", url) from None
+    except OSError as exc:
+        raise ShardError(f"cannot open: {exc}", url) from exc
+
+
+class _Transient(Exception):
+    """A failure worth retrying (dropped connection, timeout, server error)."""
+
+
+class _RetryingStream(io.RawIOBase):
+    """A byte stream over a remote object that reconnects at the current offset on failure."""
+
+    def __init__(self, url: str, opener, options: UrlOptions):
+        self.url = url
+        self._opener = opener
+        self._options = options
+        self._pos = 0
+        self._total: int | None = None
+        self._body = None
+        self._failures = 0
+        self._connect()
+
+    def readable(self) -> bool:
+        return True
+
+    def _connect(self) -> None:
+        while True:
+            try:
+                self._body, total = self._opener.open(self._pos)
+                if total is not None:
+                    self._total = total
+                return
+            except _Transient as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        self._failures += 1
+        self._drop()
+        if self._failures > self._options.retries:
+            raise ShardError(f"giving up after {self._failures} failed attempts: {exc}",
+                             self.url, self._pos) from exc
+        time.sleep(min(self._options.backoff * 2 ** (self._failures - 1), 5.0))
+
+    def _drop(self) -> None:
+        body, self._body = self._body, None
+        if body is not None:
+            try:
+                body.close()
+            except Exception:
+                pass
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = 1 << 62
+        while True:
+            if self._total is not None and self._pos >= self._total:
+                return b""
+            if self._body is None:
+                self._connect()
+            try:
+                data = self._opener.read(self._body, n)
+            except _Transient as exc:
+                self._fail(exc)
+                continue
+            if data:
+                self._pos += len(data)
+                self._failures = 0
+                return data
+            if self._total is None or self._pos >= self._total:
+                return b""
+            self._fail(_Transient(f"connection closed at {self._pos} of {self._total} bytes"))
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
+
+
+class _HttpOpener:
+    """GET with ``Range: bytes=N-`` through http.client, following redirects."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url = url
+        self.timeout = timeout
+
+    def open(self, offset: int):
+        import http.client
+
+        url = self.url
+        for _ in range(6):
+            parts = urllib.parse.urlsplit(url)
+            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            conn = cls(parts.hostname, parts.port, timeout=self.timeout)
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            headers = {"Range": f"bytes={offset}-"} if offset else {}
+            try:
+                conn.request("GET", path, headers=headers)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                raise _Transient(f"HTTP request failed: {exc}") from exc
+            if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
+                url = urllib.parse.urljoin(url, resp.getheader("Location"))
+                conn.close()
+                continue
+            if resp.status == 416 and offset:
+                conn.close()
+                return _HttpBody(conn, None), offset
+            if resp.status >= 500 or resp.status == 429:
+                conn.close()
+                raise _Transient(f"HTTP status {resp.status}")
+            if resp.status not in (200, 206):
+                conn.close()
+                raise ShardError(f"HTTP status {resp.status} {resp.reason}", self.url)
+            length = resp.getheader("Content-Length")
+            body = _HttpBody(conn, resp)
+            if offset and resp.status == 200:  # server ignored the range: skip what we have
+                body.discard(offset)
+                return body, int(length) if length else None
+            return body, (offset + int(length)) if length else None
+        raise ShardError("too many HTTP redirects", self.url)
+
+    def read(self, body, n: int) -> bytes:
+        import http.client
+
+        try:
+            return body.read(n)
+        except http.client.IncompleteRead as exc:
+            if exc.partial:
+                return exc.partial
+            raise _Transient("connection dropped mid-stream") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise _Transient(f"read failed: {exc}") from exc
+
+
+class _HttpBody:
+    def __init__(self, conn, resp):
+        self.conn = conn
+        self.resp = resp
+
+    def read(self, n: int) -> bytes:
+        if self.resp is None:
+            return b""
+        return self.resp.read(min(n, 1 << 24))
+
+    def discard(self, n: int) -> None:
+        while n > 0:
+            chunk = self.resp.read(min(n, 1 << 20))
+            if not chunk:
+                raise _Transient("connection closed while skipping to the resume offset")
+            n -= len(chunk)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+_S3_CLIENTS: dict[tuple[int, int, str | None], object] = {}
+_S3_LOCK = threading.Lock()
+
+
+def _s3_client(endpoint: str | None, timeout: float):
+    key = (os.getpid(), threading.get_ident(), endpoint)
+    with _S3_LOCK:
+        client = _S3_CLIENTS.get(key)
+        if client is None:
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError as exc:
+                raise ImportError("s3:// URLs need boto3: pip install 'ember[s3]'") from exc
+            config = Config(connect_timeout=timeout, read_timeout=timeout,
+                            retries={"max_attempts": 1, "mode": "standard"})
+            client = boto3.client("s3", endpoint_url=endpoint, config=config)
+            _S3_CLIENTS[key] = client
+    return client
+
+
+class _S3Opener:
+    """``get_object`` with a byte range through boto3."""
+
+    def __init__(self, url: str, options: UrlOptions):
+        parts = urllib.parse.urlsplit(url)
+        self.url = url
+        self.bucket = parts.netloc
+        self.key = parts.path.lstrip("/")
+        self.endpoint = (options.s3_endpoint or os.environ.get("EMBER_S3_ENDPOINT_URL")
+                         or os.environ.get("AWS_ENDPOINT_URL") or None)
+        self.timeout = options.timeout
+
+    def open(self, offset: int):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = _s3_client(self.endpoint, self.timeout)
+        kwargs = {"Bucket": self.bucket, "Key": self.key}
+        if offset:
+            kwargs["Range"] = f"bytes={offset}-"
+        try:
+            resp = client.get_object(**kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code == "InvalidRange" and offset:
+                return _Empty(), offset
+            if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
+                raise _Transient(f"S3 error {code}") from exc
+            raise ShardError(f"S3 error {code or status}: {exc}", self.url) from None
+        except BotoCoreError as exc:
+            raise _Transient(f"S3 request failed: {exc}") from exc
+        length = resp.get("ContentLength")
+        return resp["Body"], (offset + length) if length is not None else None
+
+    def read(self, body, n: int) -> bytes:
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            return body.read(min(n, 1 << 24))
+        except (BotoCoreError, OSError) as exc:
+            raise _Transient(f"S3 read failed: {exc}") from exc
+
+
+class _Empty:
+    def read(self, n: int) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+class _PipeStream(io.RawIOBase):
+    """The standard output of a shell command; close() always ends and reaps the process."""
+
+    def __init__(self, command: str, url: str):
+        self.url = url
+        kwargs: dict = {}
+        if sys.platform == "win32":
+            kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP
+        else:
+            kwargs["start_new_session"] = True
+        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, **kwargs)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.proc.stdout.read(n)
+        if not data:
+            status = self.proc.wait()
+            if status != 0:
+                raise ShardError(f"pipe command exited with status {status}", self.url)
+        return data
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        proc = self.proc
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.stdout.close()
+        if proc.poll() is None:
+            _terminate(proc)
+        super().close()
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    try:
+        if sys.platform == "win32":
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        try:
+            if sys.platform == "win32":
+                proc.kill()
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait()
+
+
+def as_list(urls: str | Sequence[str]) -> list[str]:
+    """Expand a spec to a list, raising ValueError when it names no shard."""
+    out = expand_urls(urls)
+    if not out:
+        raise ValueError("no shard URLs given")
+    return out
