@@ -67,8 +67,8 @@ def test_sample_follows_the_published_formula_draw_for_draw():
     scale = 0.5
     got = swag.sample(scale, generator=torch.Generator().manual_seed(7)).numpy()
     g = torch.Generator().manual_seed(7)
-    z1 = torch.randn(3, generator=g).double().numpy()
-    z2 = torch.randn(4, generator=g).double().numpy()
+    z1 = torch.randn(3, generator=g, dtype=torch.float64).numpy()
+    z2 = torch.randn(4, generator=g, dtype=torch.float64).numpy()
     expected = mean + np.sqrt(scale) * (np.sqrt(var) * z1 + deviations.T @ z2 / np.sqrt(4 - 1))
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
