@@ -1,0 +1,193 @@
+"""The native stream against an independent implementation of docs/csprng-stream.md.
+
+The reference here is written from the document alone: pycryptodome's AES over big-endian counter
+blocks, little-endian words, and the per-op formulas in plain Python and NumPy.
+"""
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+import torch
+from Crypto.Cipher import AES
+
+import ember.csprng as csprng
+
+
+def key_of(seed: int) -> bytes:
+    return hashlib.sha256(b"ember.csprng/v1/seed\x00" + seed.to_bytes(16, "little")).digest()[:16]
+
+
+class Reference:
+    """Keystream of the documented layout, consumed draw by draw like a generator."""
+
+    def __init__(self, seed: int, counter: int = 0):
+        self.ecb = AES.new(key_of(seed), AES.MODE_ECB)
+        self.counter = counter
+
+    def words(self, n: int, width: int) -> list[int]:
+        nblocks = -(-n * width // 16)
+        data = self.ecb.encrypt(b"".join((self.counter + i).to_bytes(16, "big") for i in range(nblocks)))
+        self.counter += nblocks
+        return [int.from_bytes(data[i * width:(i + 1) * width], "little") for i in range(n)]
+
+
+def generator_at(seed: int, counter: int):
+    g = csprng.create_generator(seed)
+    raw = bytearray(bytes(g.get_state().numpy()))
+    raw[24:41] = counter.to_bytes(17, "little")
+    return g.set_state(torch.frombuffer(raw, dtype=torch.uint8))
+
+
+COUNTERS = [0, 2**32 - 3, 2**64 - 2]
+
+
+@pytest.mark.parametrize("counter", COUNTERS)
+def test_uniform_float32_and_float64(counter):
+    ref = Reference(3, counter)
+    g = generator_at(3, counter)
+    got32 = torch.rand(37, generator=g).numpy()
+    want32 = np.array([(w & (2**24 - 1)) * 2.0**-24 for w in ref.words(37, 4)], np.float32)
+    assert np.array_equal(got32, want32)
+    got64 = torch.rand(11, generator=g, dtype=torch.float64).numpy()
+    want64 = np.array([(w & (2**53 - 1)) * 2.0**-53 for w in ref.words(11, 8)])
+    assert np.array_equal(got64, want64)
+    assert g.counter == ref.counter
+
+
+def test_uniform_16_bit_grids():
+    ref, g = Reference(4), csprng.create_generator(4)
+    got = torch.rand(21, generator=g, dtype=torch.float16).to(torch.float64).numpy()
+    assert np.array_equal(got, [(w & 2047) * 2.0**-11 for w in ref.words(21, 2)])
+    got = torch.rand(21, generator=g, dtype=torch.bfloat16).to(torch.float64).numpy()
+    assert np.array_equal(got, [(w & 255) * 2.0**-8 for w in ref.words(21, 2)])
+    assert g.counter == ref.counter
+
+
+def test_uniform_general_interval_float32():
+    ref, g = Reference(5), csprng.create_generator(5)
+    got = torch.empty(20).uniform_(-2.0, 3.0, generator=g).numpy()
+    s, a = np.float32((3.0 - -2.0) * 2.0**-24), np.float32(-2.0)
+    want = [np.float32(np.float32(w & (2**24 - 1)) * s) + a for w in ref.words(20, 4)]
+    assert np.array_equal(got, np.array(want, np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 8, 9])
+def test_normal_float64_pairs(n):
+    ref, g = Reference(6), csprng.create_generator(6)
+    got = torch.randn(n, generator=g, dtype=torch.float64).numpy()
+    w = ref.words(2 * ((n + 1) // 2), 8)
+    want = []
+    for k0, k1 in zip(w[0::2], w[1::2], strict=True):
+        r = math.sqrt(-2.0 * math.log(((k0 & (2**53 - 1)) + 1) * 2.0**-53))
+        t = (k1 & (2**53 - 1)) * (2 * math.pi * 2.0**-53)
+        want += [r * math.cos(t), r * math.sin(t)]
+    np.testing.assert_allclose(got, want[:n], rtol=4e-16, atol=4e-16)  # libm vs NumPy: an ulp or two
+    assert g.counter == ref.counter
+
+
+def test_exponential_cauchy_geometric_float64():
+    ref, g = Reference(7), csprng.create_generator(7)
+    got = torch.empty(9, dtype=torch.float64).exponential_(2.0, generator=g).numpy()
+    want = [-math.log(((w & (2**53 - 1)) + 1) * 2.0**-53) / 2.0 for w in ref.words(9, 8)]
+    np.testing.assert_allclose(got, want, rtol=1e-15)
+    got = torch.empty(9, dtype=torch.float64).cauchy_(1.0, 2.0, generator=g).numpy()
+    want = [1.0 + 2.0 * math.tan((((w & (2**52 - 1)) + 0.5) * 2.0**-52 - 0.5) * math.pi)
+            for w in ref.words(9, 8)]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    got = torch.empty(9, dtype=torch.float64).geometric_(0.3, generator=g).numpy()
+    want = [math.ceil(math.log(((w & (2**52 - 1)) + 0.5) * 2.0**-52) / math.log1p(-0.3))
+            for w in ref.words(9, 8)]
+    assert np.array_equal(got, want)
+    assert g.counter == ref.counter
+
+
+def test_bernoulli_thresholds():
+    ref, g = Reference(8), csprng.create_generator(8)
+    got = torch.empty(30).bernoulli_(0.3, generator=g).numpy()
+    t = math.floor(math.ldexp(0.3, 64))
+    assert np.array_equal(got, [float(w < t) for w in ref.words(30, 8)])
+    p = torch.linspace(0, 1, 30, dtype=torch.float64)
+    got = torch.bernoulli(p, generator=g).numpy()
+    want = [1.0 if pi >= 1 else float(w < math.floor(math.ldexp(pi, 64)))
+            for w, pi in zip(ref.words(30, 8), p.tolist(), strict=True)]
+    assert np.array_equal(got, want)
+
+
+def lemire(words, r, bits):
+    out, rejected = [], []
+    for i, w in enumerate(words):
+        if r & (r - 1) == 0:
+            out.append(w & (r - 1))
+            continue
+        prod = w * r
+        if prod % 2**bits < 2**bits % r:
+            rejected.append(i)
+        out.append(prod >> bits)
+    return out, rejected
+
+
+@pytest.mark.parametrize("low,high", [(0, 10), (-5, 123456), (0, 2**20), (7, 7 + 3 * 2**40), (0, 2**40)])
+def test_integer_ranges_without_rejection(low, high):
+    r = high - low
+    width = 4 if r <= 2**32 else 8
+    ref, g = Reference(9), csprng.create_generator(9)
+    got = torch.randint(low, high, (50,), generator=g).tolist()
+    values, rejected = lemire(ref.words(50, width), r, 8 * width)
+    assert rejected == []  # these ranges reject with probability < 2**-12 per word
+    assert got == [v + low for v in values]
+    assert g.counter == ref.counter
+
+
+def test_integer_rejections_are_refilled_from_the_reject_stream():
+    import hmac
+
+    low, r = -(2**63), 3 * 2**62
+    seed = 10
+    g = csprng.create_generator(seed)
+    got = torch.randint(low, low + r, (40,), generator=g).tolist()
+    ref = Reference(seed)
+    values, pending = lemire(ref.words(40, 8), r, 64)
+    assert pending  # about a quarter of the words are rejected
+    key = hmac.new(key_of(seed), b"ember.csprng/v1/reject\x00" + (0).to_bytes(16, "little"),
+                   hashlib.sha256).digest()[:16]
+    refill = Reference(0)
+    refill.ecb = AES.new(key, AES.MODE_ECB)
+    while pending:
+        new, again = lemire(refill.words(len(pending), 8), r, 64)
+        for slot, v in zip(pending, new, strict=True):
+            values[slot] = v
+        pending = [pending[i] for i in again]
+    assert got == [v + low for v in values]
+
+
+def test_randperm_sorts_by_signed_keys():
+    ref, g = Reference(11), csprng.create_generator(11)
+    got = torch.randperm(25, generator=g).tolist()
+    keys = [w - 2**32 if w >= 2**31 else w for w in ref.words(25, 4)]
+    assert len(set(keys)) == 25  # no ties in this draw, so the tie rule is not involved
+    assert got == sorted(range(25), key=lambda i: (keys[i], i))
+    assert g.counter == ref.counter
+
+
+def test_multinomial_with_replacement_inversion():
+    ref, g = Reference(12), csprng.create_generator(12)
+    w = [0.5, 0.0, 1.5, 2.0]
+    got = torch.multinomial(torch.tensor(w, dtype=torch.float64), 15, True, generator=g).tolist()
+    cdf = np.cumsum(w) / sum(w)
+    want = [min(int(np.searchsorted(cdf, (x & (2**53 - 1)) * 2.0**-53, side="right")), 3)
+            for x in ref.words(15, 8)]
+    assert got == want
+
+
+def test_fold_in_stream_uses_the_hmac_key():
+    import hmac
+
+    g = csprng.create_generator(13).fold_in(5)
+    key = hmac.new(key_of(13), b"ember.csprng/v1/fold_in\x00" + (5).to_bytes(16, "little"),
+                   hashlib.sha256).digest()[:16]
+    ref = Reference(0)
+    ref.ecb = AES.new(key, AES.MODE_ECB)
+    got = torch.rand(8, generator=g).numpy()
+    assert np.array_equal(got, np.array([(w & (2**24 - 1)) * 2.0**-24 for w in ref.words(8, 4)], np.float32))
