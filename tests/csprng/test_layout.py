@@ -128,7 +128,8 @@ def lemire(words, r, bits):
     return out, rejected
 
 
-@pytest.mark.parametrize("low,high", [(0, 10), (-5, 123456), (0, 2**20), (7, 7 + 3 * 2**40), (0, 2**40)])
+@pytest.mark.parametrize("low,high", [(0, 10), (-5, 123456), (0, 2**20), (0, 2**32), (-(2**31), 2**31),
+                                      (7, 7 + 3 * 2**40), (0, 2**40), (-(2**63), 2**63 - 1)])
 def test_integer_ranges_without_rejection(low, high):
     r = high - low
     width = 4 if r <= 2**32 else 8

@@ -590,8 +590,7 @@ def _bounded(w: np.ndarray, r: int, x: np.ndarray) -> np.ndarray | None:
     """
     bits = w.dtype.itemsize * 8
     if r & (r - 1) == 0:
-        np.bitwise_and(w, w.dtype.type(r - 1) if r < 1 << bits else w.dtype.type(-1), out=x,
-                       casting="unsafe")
+        np.bitwise_and(w, w.dtype.type(min(r, 1 << bits) - 1), out=x, casting="unsafe")
         return None
     if bits == 32:
         np.multiply(w, np.uint64(r), out=x)
