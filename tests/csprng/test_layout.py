@@ -192,3 +192,30 @@ def test_fold_in_stream_uses_the_hmac_key():
     ref.ecb = AES.new(key, AES.MODE_ECB)
     got = torch.rand(8, generator=g).numpy()
     assert np.array_equal(got, np.array([(w & (2**24 - 1)) * 2.0**-24 for w in ref.words(8, 4)], np.float32))
+
+
+def hmac_key(parent: bytes, label: bytes, index: int) -> bytes:
+    import hmac
+
+    return hmac.new(parent, b"ember.csprng/v1/" + label + b"\x00" + index.to_bytes(16, "little"),
+                    hashlib.sha256).digest()[:16]
+
+
+def rand32_from_key(key: bytes, n: int) -> np.ndarray:
+    ref = Reference(0)
+    ref.ecb = AES.new(key, AES.MODE_ECB)
+    return np.array([(w & (2**24 - 1)) * 2.0**-24 for w in ref.words(n, 4)], np.float32)
+
+
+def test_spawn_indices_count_across_calls():
+    g = csprng.create_generator(21)
+    children = g.spawn(2) + g.spawn(1)
+    for j, child in enumerate(children):
+        want = rand32_from_key(hmac_key(key_of(21), b"spawn", j), 6)
+        assert np.array_equal(torch.rand(6, generator=child).numpy(), want)
+
+
+def test_seed_kdf_uses_all_128_bits():
+    seed = 2**127 + 2**64 + 7
+    got = torch.rand(5, generator=csprng.create_generator(seed)).numpy()
+    assert np.array_equal(got, rand32_from_key(key_of(seed), 5))
