@@ -219,3 +219,25 @@ def test_seed_kdf_uses_all_128_bits():
     seed = 2**127 + 2**64 + 7
     got = torch.rand(5, generator=csprng.create_generator(seed)).numpy()
     assert np.array_equal(got, rand32_from_key(key_of(seed), 5))
+
+
+RANDOM_DEFAULT_RANGES = [(torch.int8, 2**7), (torch.int16, 2**15), (torch.int32, 2**31), (torch.uint8, 256),
+                         (torch.bool, 2), (torch.float32, 2**24 + 1), (torch.float64, 2**53 + 1)]
+
+
+@pytest.mark.parametrize("dtype,r", RANDOM_DEFAULT_RANGES)
+def test_random_default_range_per_dtype(dtype, r):
+    # the float ranges are not powers of two: Lemire, and this seed happens to reject nothing
+    # (rejection odds are 2^m mod r / 2^m per element), which the reference checks before comparing
+    ref, g = Reference(31), csprng.create_generator(31)
+    got = torch.empty(40, dtype=dtype).random_(generator=g)
+    width = 4 if r <= 2**32 else 8
+    m = 8 * width
+    words = ref.words(40, width)
+    if r & (r - 1) == 0:
+        want = [w & (r - 1) for w in words]
+    else:
+        assert all((w * r) % 2**m >= 2**m % r for w in words)
+        want = [(w * r) >> m for w in words]
+    assert [int(v) for v in got.tolist()] == want
+    assert g.counter == ref.counter
