@@ -10,7 +10,7 @@ from ember.shards.decode import Decoder, handle_extension, imagehandler
 from ember.shards.errors import DecodeError, FormatError, ShardError, TruncatedShardError
 from ember.shards.format import group_samples, split_name
 from ember.shards.stages import default_collate
-from ember.shards.urls import UrlOptions, expand_urls, open_url
+from ember.shards.urls import UrlOptions, expand_urls, local_path, open_url
 from ember.shards.writer import ShardWriter, TarWriter, encode_field
 
 __all__ = [
@@ -18,6 +18,6 @@ __all__ = [
     "Decoder", "handle_extension", "imagehandler",
     "ShardError", "FormatError", "TruncatedShardError", "DecodeError",
     "split_name", "group_samples", "default_collate",
-    "expand_urls", "open_url", "UrlOptions",
+    "expand_urls", "open_url", "local_path", "UrlOptions",
     "TarWriter", "ShardWriter", "encode_field",
 ]

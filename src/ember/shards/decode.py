@@ -20,7 +20,7 @@ __all__ = ["Decoder", "IMAGE_EXTENSIONS", "IMAGE_SPECS", "handle_extension", "im
            "MAX_PIXELS"]
 
 IMAGE_EXTENSIONS = frozenset(
-    "jpg jpeg png ppm pgm pbm pnm webp tif tiff bmp gif".split()
+    ["jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "tif", "tiff", "bmp", "gif"]
 )
 INT_EXTENSIONS = frozenset(("cls", "cls2", "index", "inx", "id"))
 TEXT_EXTENSIONS = frozenset(("txt", "text", "transcript"))
@@ -81,14 +81,14 @@ def imagehandler(spec: str, *, max_pixels: int | None = MAX_PIXELS) -> Handler:
             return img
         import numpy as np
 
-        arr = np.asarray(img)
+        arr = np.array(img)  # a writable copy: torch.from_numpy warns on read-only arrays
         if arr.ndim == 2:
             arr = arr[:, :, None]
         if kind == "numpy":
             return (arr.astype(np.float32) / 255.0) if scale else arr
         import torch
 
-        t = torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+        t = torch.from_numpy(arr.transpose(2, 0, 1).copy())
         return t.float().div_(255.0) if scale else t
 
     return handler

@@ -119,7 +119,7 @@ def default_collate(items: list) -> Any:
     """Collate a list of tuples/dicts/values: numbers and arrays become tensors, others lists."""
     first = items[0]
     if isinstance(first, tuple):
-        return tuple(default_collate(list(col)) for col in zip(*items))
+        return tuple(default_collate(list(col)) for col in zip(*items, strict=True))
     if isinstance(first, dict):
         return {k: default_collate([it[k] for it in items]) for k in first}
     if isinstance(first, torch.Tensor):

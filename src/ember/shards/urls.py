@@ -8,6 +8,7 @@ ember.shards that touches the network or starts processes.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -190,10 +191,8 @@ class _RetryingStream(io.RawIOBase):
     def _drop(self) -> None:
         body, self._body = self._body, None
         if body is not None:
-            try:
+            with contextlib.suppress(Exception):
                 body.close()
-            except Exception:
-                pass
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:

@@ -15,8 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ember.shards.decode import IMAGE_EXTENSIONS, INT_EXTENSIONS, JSON_EXTENSIONS, \
-    MSGPACK_EXTENSIONS, PICKLE_EXTENSIONS, TEXT_EXTENSIONS
+from ember.shards.decode import (
+    IMAGE_EXTENSIONS,
+    INT_EXTENSIONS,
+    JSON_EXTENSIONS,
+    MSGPACK_EXTENSIONS,
+    PICKLE_EXTENSIONS,
+    TEXT_EXTENSIONS,
+)
 from ember.shards.format import check_sample_names, member_name
 
 __all__ = ["TarWriter", "ShardWriter", "encode_field"]
@@ -121,7 +127,7 @@ class TarWriter:
             path = str(dest)
             if compress is None:
                 compress = path.endswith((".gz", ".tgz"))
-            self._raw: BinaryIO = open(path, "wb", buffering=1 << 20)
+            self._raw: BinaryIO = open(path, "wb", buffering=1 << 20)  # noqa: SIM115
         else:
             self._raw = dest  # type: ignore[assignment]
         self._gz = gzip.GzipFile(fileobj=self._raw, mode="wb", mtime=0) if compress else None
