@@ -241,3 +241,54 @@ def test_random_default_range_per_dtype(dtype, r):
         want = [(w * r) >> m for w in words]
     assert [int(v) for v in got.tolist()] == want
     assert g.counter == ref.counter
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_normal_float32_pairs_odd_lengths(n):
+    ref, g = Reference(33), csprng.create_generator(33)
+    got = torch.randn(n, generator=g).numpy()
+    w = ref.words(2 * ((n + 1) // 2), 4)
+    f = np.float32
+    want = []
+    for k0, k1 in zip(w[0::2], w[1::2], strict=True):
+        r = np.sqrt(f(-2) * np.log(f((k0 & (2**24 - 1)) + 1) * f(2.0**-24)))
+        t = f(k1 & (2**24 - 1)) * f(2 * math.pi * 2.0**-24)
+        want += [r * np.cos(t), r * np.sin(t)]
+    # float32 log/sqrt/cos/sin may differ by a few ulp between libraries; |z| < 6 and t < 2*pi, so 1e-5
+    # absolute covers several float32 ulps of every intermediate
+    np.testing.assert_allclose(got, np.array(want[:n], np.float32), rtol=1e-5, atol=1e-5)
+    assert g.counter == ref.counter
+
+
+@pytest.mark.parametrize("rate", [0.5, 4.0, 300.0])
+def test_poisson_inverts_the_cdf(rate):
+    from scipy.special import gammaincc
+
+    ref, g = Reference(34), csprng.create_generator(34)
+    got = torch.poisson(torch.full((25,), rate, dtype=torch.float64), generator=g).tolist()
+    want = []
+    for w in ref.words(25, 8):
+        u = (w & (2**53 - 1)) * 2.0**-53
+        k = 0
+        while not gammaincc(k + 1, rate) > u:
+            k += 1
+        want.append(float(k))
+    assert got == want
+    assert g.counter == ref.counter
+
+
+def test_multinomial_without_replacement_smallest_keys():
+    p = [0.1, 0.4, 0.0, 0.2, 0.3]
+    ref, g = Reference(35), csprng.create_generator(35)
+    got = torch.multinomial(torch.tensor([p, p[::-1]], dtype=torch.float64), 3, replacement=False,
+                            generator=g).tolist()
+    words = ref.words(10, 8)
+    want = []
+    for row, probs in enumerate([p, p[::-1]]):
+        keys = []
+        for c, pc in enumerate(probs):
+            e = -math.log(((words[5 * row + c] & (2**53 - 1)) + 1) * 2.0**-53)
+            keys.append(e / pc if pc > 0 else math.inf)
+        want.append(sorted(range(5), key=lambda c: keys[c])[:3])
+    assert got == want
+    assert g.counter == ref.counter
