@@ -77,8 +77,7 @@ def _show(value: bytes, limit: int) -> str:
 
 def _cmd_cat(args) -> int:
     options = _options(args)
-    shown = 0
-    for sample in _samples(_urls(args), options, True, "cat"):
+    for shown, sample in enumerate(_samples(_urls(args), options, True, "cat")):
         if args.limit is not None and shown >= args.limit:
             break
         fields = _fields(sample)
@@ -91,7 +90,6 @@ def _cmd_cat(args) -> int:
             parts = [f"{ext}={_show(sample[ext], args.width) if args.values else len(sample[ext])}"
                      for ext in fields]
             print(sample["__key__"] + "\t" + " ".join(parts))
-        shown += 1
     return 0
 
 
