@@ -32,6 +32,10 @@ _PIL_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "ppm": "PPM", "pgm"
                 "bmp": "BMP", "gif": "GIF"}
 
 
+# formats whose encoding of a str is not its UTF-8 text: a str value is serialised like any other
+_BINARY_FORMATS = MSGPACK_EXTENSIONS | PICKLE_EXTENSIONS | {"cbor", "pth"}
+
+
 def _image_bytes(ext: str, value: Any) -> bytes:
     from PIL import Image
 
@@ -70,7 +74,8 @@ def encode_field(ext: str, value: Any) -> bytes:
     if ext.endswith(".gz"):
         return gzip.compress(encode_field(ext[:-3], value), mtime=0)
     last = ext.rsplit(".", 1)[-1]
-    if isinstance(value, str):
+    if isinstance(value, str) and last not in _BINARY_FORMATS:
+        # as in webdataset: a str is stored as UTF-8 text, so "json": json.dumps(obj) works
         return value.encode("utf-8")
     if last in INT_EXTENSIONS or (last in TEXT_EXTENSIONS and isinstance(value, (int, float))):
         return str(value).encode("ascii")

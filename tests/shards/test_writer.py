@@ -1,0 +1,255 @@
+"""ShardWriter / TarWriter: round trips for every encoder, interoperability, shard splitting."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ember.shards import Decoder, ShardDataset, ShardWriter, TarWriter, iter_shard
+
+
+def _roundtrip(tmp_path, sample, *handlers, allow_pickle=False):
+    path = tmp_path / "rt.tar"
+    with TarWriter(str(path)) as w:
+        w.write(sample)
+    raw = list(iter_shard(str(path)))
+    assert len(raw) == 1 and raw[0]["__key__"] == sample["__key__"]
+    return Decoder(*handlers, allow_pickle=allow_pickle)(raw[0]), raw[0]
+
+
+def test_scalar_text_and_structured_encoders(tmp_path):
+    obj = {"a": [1, 2.5, None, "x"], "b": {"c": True}}
+    sample = {"__key__": "k0", "cls": 7, "cls2": 3, "index": 12, "inx": 5, "id": 99,
+              "txt": "héllo wörld", "text": "two\nlines", "transcript": "t",
+              "json": obj, "jsn": [1, 2], "a.json": json.dumps([3]), "mp": {"m": [1, 2, 3]}, "msg": "hi",
+              "bin": b"\x00\x01raw"}
+    dec, raw = _roundtrip(tmp_path, sample)
+    assert raw["cls"] == b"7" and raw["txt"] == "héllo wörld".encode()
+    assert raw["json"] == json.dumps(obj).encode()
+    assert (dec["cls"], dec["cls2"], dec["index"], dec["inx"], dec["id"]) == (7, 3, 12, 5, 99)
+    assert dec["txt"] == "héllo wörld" and dec["text"] == "two\nlines" and dec["transcript"] == "t"
+    assert dec["json"] == obj and dec["jsn"] == [1, 2]
+    assert raw["a.json"] == b"[3]" and dec["a.json"] == [3]  # a str is stored as its text
+    assert dec["mp"] == {"m": [1, 2, 3]} and dec["msg"] == "hi"
+    assert dec["bin"] == b"\x00\x01raw"
+
+
+def test_numpy_and_torch_encoders(tmp_path):
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    t = {"w": torch.arange(6).reshape(2, 3), "s": 3}
+    sample = {"__key__": "arr", "npy": a, "npz": {"x": a, "y": np.array([1, 2], dtype=np.int16)},
+              "pth": t}
+    dec, raw = _roundtrip(tmp_path, sample)
+    assert raw["npy"][:6] == b"\x93NUMPY"
+    np.testing.assert_array_equal(dec["npy"], a)
+    assert dec["npy"].dtype == np.float32
+    np.testing.assert_array_equal(dec["npz"]["x"], a)
+    assert dec["npz"]["y"].dtype == np.int16
+    assert torch.equal(dec["pth"]["w"], torch.arange(6).reshape(2, 3)) and dec["pth"]["s"] == 3
+
+
+def test_pickle_encoder_needs_opt_in_to_decode(tmp_path):
+    import pickle
+
+    sample = {"__key__": "p", "pyd": {"z": (1, 2)}, "pkl": [3]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dec, raw = _roundtrip(tmp_path, sample)
+    assert dec["pyd"] == pickle.dumps({"z": (1, 2)})  # left as bytes
+    dec, _ = _roundtrip(tmp_path, sample, allow_pickle=True)
+    assert dec["pyd"] == {"z": (1, 2)} and dec["pkl"] == [3]
+
+
+def test_gzip_member_encoder(tmp_path):
+    sample = {"__key__": "g", "txt.gz": "compressed " * 50, "json.gz": {"a": 1}}
+    dec, raw = _roundtrip(tmp_path, sample)
+    assert raw["txt.gz"][:2] == b"\x1f\x8b"
+    assert gzip.decompress(raw["txt.gz"]) == ("compressed " * 50).encode()
+    assert dec["txt.gz"] == "compressed " * 50 and dec["json.gz"] == {"a": 1}
+
+
+@pytest.mark.parametrize("ext", ["png", "ppm", "bmp", "tiff", "webp"])
+def test_lossless_image_encoders(tmp_path, ext):
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, size=(5, 7, 3), dtype=np.uint8)
+    if ext == "webp":
+        pil = Image.fromarray(img)
+        buf = io.BytesIO()
+        pil.save(buf, format="WEBP", lossless=True)
+        sample = {"__key__": "im", ext: buf.getvalue()}
+    else:
+        sample = {"__key__": "im", ext: img}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "array is not writable" warning from decoding
+        dec, _ = _roundtrip(tmp_path, sample, "rgb8")
+        np.testing.assert_array_equal(dec[ext], img)
+        dec, _ = _roundtrip(tmp_path, sample, "torchrgb8")
+        assert dec[ext].shape == (3, 5, 7) and dec[ext].dtype == torch.uint8
+        assert torch.equal(dec[ext], torch.from_numpy(img.copy()).permute(2, 0, 1))
+        dec, _ = _roundtrip(tmp_path, sample, "torchl8")
+        assert dec[ext].shape == (1, 5, 7)
+        dec, _ = _roundtrip(tmp_path, sample, "torchrgb")
+        assert dec[ext].dtype == torch.float32
+        torch.testing.assert_close(dec[ext] * 255.0,
+                                   torch.from_numpy(img.astype(np.float32)).permute(2, 0, 1))
+
+
+def test_image_encoder_inputs_tensor_float_and_pil(tmp_path):
+    img = np.zeros((4, 6, 3), dtype=np.uint8)
+    img[:, :3] = 255
+    chw = torch.from_numpy(img).permute(2, 0, 1).float() / 255.0
+    sample = {"__key__": "i", "png": chw, "seg.png": Image.fromarray(img[:, :, 0]),
+              "jpg": img, "pgm": img[:, :, :1]}
+    dec, _ = _roundtrip(tmp_path, sample, "rgb8")
+    np.testing.assert_array_equal(dec["png"], img)
+    np.testing.assert_array_equal(dec["seg.png"], img)  # grey converted to RGB
+    assert dec["jpg"].shape == (4, 6, 3)
+    assert np.abs(dec["jpg"].astype(int) - img.astype(int)).max() <= 16  # lossy
+    dec, _ = _roundtrip(tmp_path, sample, "pil")
+    assert dec["pgm"].mode == "L" and dec["pgm"].size == (6, 4)
+
+
+def test_encoder_rejects_unknown_types(tmp_path):
+    with TarWriter(str(tmp_path / "x.tar")) as w, pytest.raises(TypeError, match="no encoder"):
+        w.write({"__key__": "a", "weird": object()})
+
+
+def _write_mixed(path, n=20, compress=None):
+    long_key = "deep/" + "d" * 120 + "/sample"
+    with TarWriter(str(path), compress=compress) as w:
+        for i in range(n):
+            key = long_key + str(i) if i % 5 == 0 else f"dir/s{i:04d}"
+            w.write({"__key__": key, "cls": i, "txt": f"text {i}", "seg.png": b"P" * i})
+    return long_key
+
+
+def test_output_readable_by_gnu_tar(tmp_path):
+    if shutil.which("tar") is None:
+        pytest.skip("no tar program")
+    path = tmp_path / "g.tar"
+    long_key = _write_mixed(path)
+    out = subprocess.run(["tar", "-tf", str(path)], capture_output=True, text=True, check=True,
+                         timeout=30)
+    names = out.stdout.splitlines()
+    assert len(names) == 60
+    assert names[:3] == [f"{long_key}0.cls", f"{long_key}0.seg.png", f"{long_key}0.txt"]
+    assert names[3:6] == ["dir/s0001.cls", "dir/s0001.seg.png", "dir/s0001.txt"]
+    dest = tmp_path / "x"
+    dest.mkdir()
+    subprocess.run(["tar", "-xf", str(path), "-C", str(dest)], check=True, timeout=30)
+    assert (dest / "dir" / "s0003.txt").read_text() == "text 3"
+    assert (dest / (long_key + "10.cls")).read_text() == "10"
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_output_readable_by_tarfile(tmp_path, compress):
+    path = tmp_path / ("p.tar.gz" if compress else "p.tar")
+    long_key = _write_mixed(path, compress=compress)
+    with tarfile.open(path) as tf:
+        members = tf.getmembers()
+        assert all(m.isreg() for m in members)
+        names = [m.name for m in members]
+        assert f"{long_key}15.txt" in names
+        assert tf.extractfile(f"{long_key}15.txt").read() == b"text 15"
+        assert tf.extractfile("dir/s0007.seg.png").read() == b"P" * 7
+    assert len(names) == 60
+
+
+def test_output_readable_by_webdataset(tmp_path):
+    wds = pytest.importorskip("webdataset")
+    path = tmp_path / "w.tar"
+    long_key = _write_mixed(path)
+    got = list(wds.WebDataset(str(path), shardshuffle=False))
+    assert len(got) == 20
+    assert got[0]["__key__"] == long_key + "0"
+    assert got[1]["__key__"] == "dir/s0001"
+    assert got[1]["cls"] == b"1" and got[1]["txt"] == b"text 1" and got[1]["seg.png"] == b"P"
+
+
+def test_reads_shards_written_by_webdataset(tmp_path):
+    wds = pytest.importorskip("webdataset")
+    pattern = str(tmp_path / "w-%02d.tar")
+    with wds.ShardWriter(pattern, maxcount=7, verbose=0) as w:
+        for i in range(20):
+            w.write({"__key__": f"k{i:03d}", "cls": i, "json": {"i": i}})
+    urls = [str(tmp_path / f"w-{i:02d}.tar") for i in range(3)]
+    assert all(os.path.exists(u) for u in urls)
+    ds = ShardDataset(urls, shuffle_shards=False).decode()
+    got = list(ds)
+    assert [s["__key__"] for s in got] == [f"k{i:03d}" for i in range(20)]
+    assert [s["cls"] for s in got] == list(range(20))
+    assert [s["json"]["i"] for s in got] == list(range(20))
+
+
+def test_maxcount_splitting(tmp_path):
+    with ShardWriter(str(tmp_path / "c-%03d.tar"), maxcount=4) as w:
+        for i in range(10):
+            w.write({"__key__": f"k{i}", "txt": str(i)})
+    assert w.shards == [str(tmp_path / f"c-{i:03d}.tar") for i in range(3)]
+    counts = [len(list(iter_shard(s))) for s in w.shards]
+    assert counts == [4, 4, 2] and w.total == 10
+    assert not list(tmp_path.glob("*.writing"))
+
+
+def test_maxsize_splitting(tmp_path):
+    payload = b"x" * 3000  # 512 header + 3072 data per member
+    maxsize = 20_000
+    with ShardWriter(str(tmp_path / "m-{:02d}.tar"), maxcount=1000, maxsize=maxsize) as w:
+        for i in range(12):
+            w.write({"__key__": f"k{i:02d}", "bin": payload})
+    sizes = [os.path.getsize(s) for s in w.shards]
+    assert len(w.shards) > 1
+    assert all(s <= maxsize for s in sizes)
+    keys = [s["__key__"] for u in w.shards for s in iter_shard(u)]
+    assert keys == [f"k{i:02d}" for i in range(12)]
+    # every shard but the last was full: one more sample (3584 bytes) would have passed maxsize
+    assert all(s + 3584 > maxsize - 1024 for s in sizes[:-1])
+
+
+def test_oversized_single_sample_still_written(tmp_path):
+    with ShardWriter(str(tmp_path / "o-%d.tar"), maxsize=1000) as w:
+        w.write({"__key__": "big", "bin": b"y" * 5000})
+        w.write({"__key__": "big2", "bin": b"z" * 5000})
+    assert len(w.shards) == 2
+    assert next(iter_shard(w.shards[1]))["bin"] == b"z" * 5000
+
+
+def test_writer_index_files_match_scan(tmp_path):
+    from ember.shards.index import build_index, read_sample
+
+    with ShardWriter(str(tmp_path / "i-%02d.tar"), maxcount=5, index=True) as w:
+        for i in range(8):
+            w.write({"__key__": f"k{i}", "txt": "v" * i, "cls": i})
+    for s in w.shards:
+        with open(s + ".idx") as f:
+            written = json.load(f)
+        scanned = build_index(s)
+        assert written["samples"] == scanned["samples"]
+        assert written["size"] == os.path.getsize(s)
+        key, start, end = written["samples"][-1]
+        sample = read_sample(s, (start, end))
+        assert sample["__key__"] == key and sample["cls"] == key[1:].encode()
+
+
+def test_bad_samples_rejected(tmp_path):
+    from ember.shards import FormatError
+
+    with TarWriter(str(tmp_path / "b.tar")) as w:
+        with pytest.raises(ValueError, match="no fields"):
+            w.write({"__key__": "nofields"})
+        with pytest.raises(FormatError, match="key"):
+            w.write({"cls": 1})  # no key
+        w.write({"__key__": "ok", "cls": 1})
+    # the rejected samples left nothing behind
+    assert [s["__key__"] for s in iter_shard(str(tmp_path / "b.tar"))] == ["ok"]
