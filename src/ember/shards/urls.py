@@ -392,7 +392,9 @@ class _PipeStream(io.RawIOBase):
         return True
 
     def read(self, n: int = -1) -> bytes:
-        data = self.proc.stdout.read(n)
+        out = self.proc.stdout
+        # read1: return what the command has written so far instead of waiting for n bytes
+        data = out.read1(n) if n is not None and n > 0 else out.read()
         if not data:
             status = self.proc.wait()
             if status != 0:
