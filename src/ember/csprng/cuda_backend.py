@@ -1,0 +1,453 @@
+"""Device backend: ember's native distributions on CUDA tensors, computed by Triton kernels.
+
+Importing this module registers :func:`cuda_fill` for ``"cuda"`` tensors with the torch adapter;
+it never imports triton itself (that happens on the first CUDA fill). Each fill reserves exactly the
+blocks the CPU sampler (:class:`~ember.csprng.distributions.NativeSampler`) would reserve, so the
+stream position and the values match the CPU path (bit for bit for integers, bernoulli and uniform;
+to within the stated ulp bounds where ``log``/``sin``/``cos``/``tan``/``exp`` are involved, see
+docs/csprng-stream.md, "CUDA"). ``randperm``, ``multinomial`` and ``poisson`` stay on the CPU path.
+
+:func:`triton_fill_` runs the same kernels on CPU tensors under Triton's interpreter, for tests.
+The AES-128 key schedule and T-tables are computed here on the host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import threading
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .distributions import NativeSampler, blocks_for, default_range
+from .stream import BlockStream, derive_key
+
+SUPPORTED_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_",
+                     "geometric_", "random_", "random_range_", "bernoulli_")
+MAX_LANES = 1 << 30  # cipher blocks per launch; larger fills take the CPU path
+_FLOAT_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+# ---------------------------------------------------------------------------- AES-128 host side
+def _xtime(b: int) -> int:
+    b <<= 1
+    return (b ^ 0x11B) if b & 0x100 else b
+
+
+def _gf_mul(a: int, b: int) -> int:
+    r = 0
+    while b:
+        if b & 1:
+            r ^= a
+        a = _xtime(a)
+        b >>= 1
+    return r
+
+
+@lru_cache(maxsize=1)
+def aes_sbox() -> tuple[int, ...]:
+    """The AES S-box (FIPS-197 5.1.1): multiplicative inverse in GF(2^8), then the affine map."""
+    box = []
+    for x in range(256):
+        inv = 0
+        if x:
+            inv = 1
+            for _ in range(254):  # x^254 = x^-1 in GF(2^8)
+                inv = _gf_mul(inv, x)
+        b = inv
+        s = b
+        for k in range(1, 5):
+            s ^= ((b << k) | (b >> (8 - k))) & 0xFF
+        box.append(s ^ 0x63)
+    return tuple(box)
+
+
+def aes_round_keys(key: bytes) -> list[int]:
+    """The 44 big-endian round-key words w[0..43] of AES-128 (FIPS-197 5.2)."""
+    if len(key) != 16:
+        raise ValueError(f"expected a 16-byte key, got {len(key)} bytes")
+    sbox = aes_sbox()
+    w = [int.from_bytes(key[4 * i:4 * i + 4], "big") for i in range(4)]
+    rcon = 1
+    for i in range(4, 44):
+        t = w[i - 1]
+        if i % 4 == 0:
+            t = ((t << 8) | (t >> 24)) & 0xFFFFFFFF
+            t = int.from_bytes(bytes(sbox[b] for b in t.to_bytes(4, "big")), "big")
+            t ^= rcon << 24
+            rcon = _xtime(rcon)
+        w.append(w[i - 4] ^ t)
+    return w
+
+
+@lru_cache(maxsize=1)
+def aes_tables() -> np.ndarray:
+    """T0..T3 (encryption T-tables, big-endian columns) followed by the S-box, as uint32."""
+    sbox = aes_sbox()
+    t0 = [(_gf_mul(s, 2) << 24) | (s << 16) | (s << 8) | _gf_mul(s, 3) for s in sbox]
+    tabs = [t0] + [[((v >> r) | (v << (32 - r))) & 0xFFFFFFFF for v in t0] for r in (8, 16, 24)]
+    return np.array([v for t in tabs for v in t] + list(sbox), dtype=np.uint32)
+
+
+def _bswap32(v: int) -> int:
+    return int.from_bytes(v.to_bytes(4, "big"), "little")
+
+
+def cipher_table(cipher: str, key: bytes) -> np.ndarray:
+    """The int32 table a kernel reads for ``cipher`` under ember key ``key``."""
+    if cipher == "aes128":
+        rk = aes_round_keys(key)
+        rk = rk[:40] + [_bswap32(v) for v in rk[40:]]  # the last round writes little-endian words
+        words = np.concatenate([aes_tables(), np.array(rk, dtype=np.uint32)])
+    elif cipher == "chacha20":
+        from .chacha import chacha_key
+
+        words = np.frombuffer(chacha_key(key), dtype="<u4").astype(np.uint32)
+    else:
+        raise ValueError(f"no kernel for cipher {cipher!r}")
+    return words.view(np.int32)
+
+
+def chacha_table(key32: bytes) -> np.ndarray:
+    """The int32 table for a raw 32-byte ChaCha20 key (for test vectors)."""
+    return np.frombuffer(key32, dtype="<u4").astype(np.uint32).view(np.int32)
+
+
+# ---------------------------------------------------------------------------- kernels
+_KERNELS: dict[bool, ModuleType] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def kernels(interpret: bool) -> ModuleType:
+    """The triton_kernels module, compiled (``interpret=False``) or under Triton's interpreter."""
+    with _KERNELS_LOCK:
+        mod = _KERNELS.get(interpret)
+        if mod is not None:
+            return mod
+        from . import triton_kernels
+
+        if interpret == triton_kernels.INTERPRETED:
+            mod = triton_kernels
+        else:  # a second copy of the module, decorated in the other mode
+            name = f"{__package__}._triton_kernels_{'interpreted' if interpret else 'compiled'}"
+            spec = importlib.util.spec_from_file_location(name, triton_kernels.__file__)
+            mod = importlib.util.module_from_spec(spec)
+            old = os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+            try:
+                sys.modules[name] = mod
+                spec.loader.exec_module(mod)
+            finally:
+                if old is None:
+                    del os.environ["TRITON_INTERPRET"]
+                else:
+                    os.environ["TRITON_INTERPRET"] = old
+        _KERNELS[interpret] = mod
+        return mod
+
+
+@lru_cache(maxsize=32)
+def _device_table(cipher: str, key: bytes, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(cipher_table(cipher, key)).to(device)
+
+
+def _below(b: float, dtype: torch.dtype) -> float:
+    t = torch.tensor(b, dtype=dtype)
+    return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype)))
+
+
+def _i64(v: int) -> int:
+    v %= 1 << 64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+class _Launch:
+    """Everything one kernel launch needs besides the cipher position."""
+
+    def __init__(self, op: int, wb: int, mbits: int, f64: bool, fp: list[float],
+                 ip: list[int], flag: bool = False, flag2: bool = False,
+                 p: torch.Tensor | None = None) -> None:
+        self.op, self.wb, self.mbits, self.f64 = op, wb, mbits, f64
+        self.fp, self.ip, self.flag, self.flag2, self.p = fp, ip, flag, flag2, p
+        self.bf16 = False
+
+
+def launch(out: torch.Tensor, table: torch.Tensor, cipher: str, start: int, nunits: int,
+           spec: _Launch, interpret: bool, rejects: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> None:
+    """Run the fill kernel over draw units ``[0, nunits)`` starting at stream block ``start``."""
+    k = kernels(interpret)
+    dev = out.device
+    fp = torch.tensor(spec.fp or [0.0], dtype=torch.float64, device=dev)
+    ip = torch.tensor(spec.ip or [0], dtype=torch.int64, device=dev)
+    p = spec.p if spec.p is not None else fp
+    cnt, pos = rejects if rejects is not None else (ip, ip)
+    cap = pos.numel() if rejects is not None else 0
+    if cipher == "aes128":
+        first, skip, lanes, cid, block = start, 0, nunits, k.AES128, 256
+    else:
+        first, skip = divmod(start, 4)
+        lanes, cid, block = -(-(skip + nunits) // 4), k.CHACHA20, 128
+    c = [(first >> (32 * j)) & 0xFFFFFFFF for j in range(4)]
+    grid = (-(-lanes // block),)
+    extra: dict[str, Any] = {} if interpret else {"enable_fp_fusion": False}
+    k.fill_kernel[grid](out, table, fp, ip, p, cnt, pos, c[0], c[1], c[2], c[3], skip,
+                        out.numel(), lanes, cap, CIPHER=_code(cid), OP=_code(spec.op), WB=spec.wb,
+                        MBITS=spec.mbits, F64=spec.f64, FLAG=spec.flag, FLAG2=spec.flag2,
+                        VIA_F32=spec.bf16, BLOCK=block, **extra)
+
+
+def _code(c: Any) -> int:
+    return int(getattr(c, "value", c))
+
+
+# ---------------------------------------------------------------------------- fills
+def triton_fill_(sampler: Any, tensor: torch.Tensor, method: str, params: tuple,
+                 interpret: bool | None = None) -> bool:
+    """Fill ``tensor`` like ``getattr(sampler, method)(tensor, *params)`` with the Triton kernels.
+
+    Returns False (having done nothing) when the kernels do not handle this case: another sampler
+    kind or cipher, an unsupported method, or a fill of more than ``MAX_LANES`` blocks.
+    ``interpret`` defaults to True for CPU tensors (Triton's interpreter) and False otherwise.
+    """
+    if not isinstance(sampler, NativeSampler) or method not in SUPPORTED_METHODS:
+        return False
+    stream: BlockStream = sampler.stream
+    if stream.cipher_name not in ("aes128", "chacha20") or tensor.is_complex():
+        return False
+    if interpret is None:
+        interpret = tensor.device.type == "cpu"
+    if method == "bernoulli_" and isinstance(params[0] if params else None, torch.Tensor):
+        p = _bernoulli_p(tensor, params[0])
+    else:
+        p = None
+        # the CPU sampler validates the arguments (same errors) and reserves nothing for 0 elements
+        getattr(sampler, method)(torch.empty(0, dtype=tensor.dtype), *params)
+    n = tensor.numel()
+    if blocks_for(n * 8) > MAX_LANES:
+        return False
+    dst = tensor if tensor.is_contiguous() else torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                           device=tensor.device)
+    _FILLS[method](_Fill(stream, dst.view(-1), tuple(params), p, kernels(interpret)))
+    if dst is not tensor:
+        tensor.copy_(dst)
+    return True
+
+
+class _Fill:
+    """One fill: the stream, the flat output, the call's parameters and the kernels to use."""
+
+    def __init__(self, stream: BlockStream, flat: torch.Tensor, params: tuple, p: Any,
+                 k: ModuleType) -> None:
+        self.stream, self.flat, self.params, self.p, self.k = stream, flat, params, p, k
+        self.dtype = flat.dtype
+        self.n = flat.numel()
+        # what the kernel writes: bool as uint8, bfloat16 as int16 (the kernel rounds it)
+        self.out = flat.view({torch.bool: torch.uint8, torch.bfloat16: torch.int16}
+                             .get(flat.dtype, flat.dtype))
+
+    def arg(self, defaults: tuple) -> tuple:
+        return tuple(self.params) + defaults[len(self.params):]
+
+    def run(self, start: int, nbytes: int, spec: _Launch,
+            rejects: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        table = _device_table(self.stream.cipher_name, self.stream.key, self.out.device)
+        spec.bf16 = self.dtype == torch.bfloat16
+        launch(self.out, table, self.stream.cipher_name, start, blocks_for(nbytes), spec,
+               self.k.INTERPRETED, rejects)
+
+
+def _compute(dtype: torch.dtype) -> tuple[type, int, int]:
+    """(compute type, word bytes, mantissa bits) of the transcendental transforms."""
+    return (np.float64, 8, 53) if dtype == torch.float64 else (np.float32, 4, 24)
+
+
+def _uniform(f: _Fill) -> None:
+    a, b = (float(v) for v in f.arg((0.0, 1.0)))
+    bits = _FLOAT_BITS[f.dtype]
+    wb = {53: 8, 24: 4}.get(bits, 2)
+    cd = np.float64 if f.dtype == torch.float64 else np.float32
+    start = f.stream.reserve(blocks_for(f.n * wb))
+    if f.n == 0:
+        return
+    if a == b and not (a == 0.0 and b == 1.0):
+        f.flat.fill_(a)
+        return
+    scale, shift = cd((b - a) * 2.0**-bits), cd(a)
+    clamp = not (a == 0.0 and b == 1.0)
+    spec = _Launch(f.k.UNIFORM, wb, bits, cd is np.float64,
+                   [float(scale), float(shift), _below(b, f.dtype) if clamp else 0.0], [],
+                   flag=bool(shift != 0), flag2=clamp)
+    f.run(start, f.n * wb, spec)
+
+
+def _normal_family(log: bool):
+    def fill(f: _Fill) -> None:
+        mean, std = (float(v) for v in f.arg((1.0, 2.0) if log else (0.0, 1.0)))
+        cd, wb, bits = _compute(f.dtype)
+        nbytes = (f.n + 1) // 2 * 2 * wb
+        start = f.stream.reserve(blocks_for(nbytes))
+        if f.n == 0:
+            return
+        spec = _Launch(f.k.LOG_NORMAL if log else f.k.NORMAL, wb, bits, cd is np.float64,
+                       [float(cd(2.0**-bits)), float(cd(2.0 * math.pi * 2.0**-bits)),
+                        float(cd(std)), float(cd(mean))], [],
+                       flag=not (mean == 0.0 and std == 1.0))
+        f.run(start, nbytes, spec)
+    return fill
+
+
+def _exponential(f: _Fill) -> None:
+    (lambd,) = (float(v) for v in f.arg((1.0,)))
+    cd, wb, bits = _compute(f.dtype)
+    start = f.stream.reserve(blocks_for(f.n * wb))
+    if f.n:
+        spec = _Launch(f.k.EXPONENTIAL, wb, bits, cd is np.float64,
+                       [float(cd(2.0**-bits)), float(cd(-1.0 / lambd))], [])
+        f.run(start, f.n * wb, spec)
+
+
+def _cauchy(f: _Fill) -> None:
+    median, sigma = (float(v) for v in f.arg((0.0, 1.0)))
+    cd, wb, bits = _compute(f.dtype)
+    bits -= 1  # k + 1/2 must stay exact: one bit fewer
+    start = f.stream.reserve(blocks_for(f.n * wb))
+    if f.n:
+        spec = _Launch(f.k.CAUCHY, wb, bits, cd is np.float64,
+                       [float(cd(2.0**-bits)), float(cd(math.pi)), float(cd(sigma)),
+                        float(cd(median))], [])
+        f.run(start, f.n * wb, spec)
+
+
+def _geometric(f: _Fill) -> None:
+    prob = float(f.params[0])
+    start = f.stream.reserve(blocks_for(f.n * 8))
+    if f.n == 0:
+        return
+    if prob == 1.0:
+        f.flat.fill_(1)
+        return
+    limit = math.inf if f.dtype.is_floating_point else float(torch.iinfo(f.dtype).max)
+    f.run(start, f.n * 8, _Launch(f.k.GEOMETRIC, 8, 52, True, [math.log1p(-prob), limit], []))
+
+
+def _random(f: _Fill) -> None:
+    f.params = default_range(f.dtype)
+    _random_range(f)
+
+
+def _random_range(f: _Fill) -> None:
+    low, high = int(f.params[0]), int(f.params[1])
+    r = high - low
+    wb = 8 if r > 1 << 32 else 4
+    start = f.stream.reserve(blocks_for(f.n * wb))
+    if f.n == 0:
+        return
+    if r & (r - 1) == 0:
+        f.run(start, f.n * wb, _Launch(f.k.INTEGER, wb, 0, False, [],
+                                       [_i64(r - 1), 0, _i64(low)], flag=True))
+        return
+    thresh = (1 << (8 * wb)) % r
+    spec = _Launch(f.k.INTEGER, wb, 0, False, [], [_i64(r), _i64(thresh), _i64(low)])
+    expected = f.n * thresh / 2.0 ** (8 * wb)
+    cap = int(expected + 8 * math.sqrt(expected) + 64)
+    while True:
+        cnt = torch.zeros(1, dtype=torch.int32, device=f.out.device)
+        pos = torch.empty(cap, dtype=torch.int64, device=f.out.device)
+        f.run(start, f.n * wb, spec, (cnt, pos))
+        count = int(cnt.item())
+        if count <= cap:
+            break
+        cap = count  # the kernel is deterministic: run it again with room for every position
+    if count:
+        positions = torch.sort(pos[:count]).values.cpu().numpy()
+        _refill(f.stream, start, positions, r, low, wb, f.flat)
+
+
+def _refill(stream: BlockStream, start: int, positions: np.ndarray, r: int, low: int, wb: int,
+            out: torch.Tensor) -> None:
+    """Replace rejected positions, in increasing order, from the draw's ``reject`` stream."""
+    refill = BlockStream(derive_key(stream.key, "reject", start), 0, stream.cipher_name)
+    word = np.dtype("<u4") if wb == 4 else np.dtype("<u8")
+    bits = 8 * wb
+    thresh = (1 << bits) % r
+    while positions.size:
+        w = np.empty(positions.size, word)
+        refill.draw(blocks_for(w.nbytes)).fill(memoryview(w.view(np.uint8)))
+        prod = [int(v) * r for v in w]  # exact Python integers: rejections are few
+        keep = np.array([(x & ((1 << bits) - 1)) >= thresh for x in prod], dtype=bool)
+        vals = [_i64((x >> bits) + low) for x, ok in zip(prod, keep, strict=True) if ok]
+        if vals:
+            idx = torch.from_numpy(positions[keep]).to(out.device)
+            out[idx] = torch.tensor(vals, dtype=torch.int64).to(out.dtype).to(out.device)
+        positions = positions[~keep]
+
+
+def _bernoulli(f: _Fill) -> None:
+    start = f.stream.reserve(blocks_for(f.n * 8))
+    if f.n == 0:
+        return
+    if f.p is not None:
+        spec = _Launch(f.k.BERNOULLI, 8, 0, False, [], [], flag=True, p=f.p)
+    else:
+        (prob,) = (float(v) for v in f.arg((0.5,)))
+        if prob in (0.0, 1.0):
+            f.flat.fill_(prob == 1.0)
+            return
+        spec = _Launch(f.k.BERNOULLI, 8, 0, False, [], [_i64(math.floor(math.ldexp(prob, 64)))])
+    f.run(start, f.n * 8, spec)
+
+
+def _bernoulli_p(out: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``p`` as a contiguous float64 tensor of the output's shape on its device (validated)."""
+    if p.is_complex() or not (p.is_floating_point() or p.dtype == torch.bool):
+        raise TypeError(f"bernoulli_: p must be a floating-point tensor, got {p.dtype}")
+    try:
+        pt = p.detach().to(out.device, torch.float64).expand(out.shape).contiguous().view(-1)
+    except RuntimeError as exc:
+        raise ValueError(f"bernoulli_: p of shape {tuple(p.shape)} does not broadcast "
+                         f"to the output shape {tuple(out.shape)}") from exc
+    if not bool(((pt >= 0.0) & (pt <= 1.0)).all()):
+        raise ValueError("bernoulli_: expected all probabilities in [0, 1]")
+    return pt
+
+
+_FILLS = {
+    "uniform_": _uniform,
+    "normal_": _normal_family(log=False),
+    "log_normal_": _normal_family(log=True),
+    "exponential_": _exponential,
+    "cauchy_": _cauchy,
+    "geometric_": _geometric,
+    "random_": _random,
+    "random_range_": _random_range,
+    "bernoulli_": _bernoulli,
+}
+
+
+# ---------------------------------------------------------------------------- registration
+def triton_available() -> bool:
+    """Whether triton can be imported here."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def cuda_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -> bool:
+    """The ``"cuda"`` device backend: the Triton kernels, or False (CPU path) without triton."""
+    if not triton_available():
+        return False
+    return triton_fill_(sampler, tensor, method, params, interpret=False)
+
+
+def register() -> None:
+    from .torch_adapter import register_device_backend
+
+    register_device_backend("cuda", cuda_fill)
+
+
+register()
