@@ -207,3 +207,33 @@ def test_averaged_copy_is_callable_and_has_no_grad():
     out = ema(torch.randn(2, 3))
     assert out.shape == (2, 2)
     assert all(not p.requires_grad for p in ema.module.parameters())
+
+
+def test_ema_into_float64_target_casts_and_matches_hand_average():
+    # hand reference: two updates with warm-up decays 1/10 and 2/11 on a 1-parameter model
+    model = nn.Linear(1, 1, bias=False)
+    target = nn.Linear(1, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema = EMA(model, decay=0.99, target=target)
+    assert ema.module is target and target.weight.dtype == torch.float64
+    with torch.no_grad():
+        model.weight.fill_(11.0)
+    ema.update(model)  # 0.1 * 1 + 0.9 * 11 = 10.0
+    assert target.weight.item() == pytest.approx(10.0)
+    with torch.no_grad():
+        model.weight.fill_(-1.0)
+    ema.update(model)  # (2/11) * 10 + (9/11) * (-1) = 1.0
+    assert target.weight.item() == pytest.approx(1.0)
+
+
+def test_swa_hand_computed_mean_of_three_snapshots():
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(100.0)
+    swa = SWA(model)  # the construction-time weights are not part of the average
+    for v in (3.0, 6.0, 12.0):
+        with torch.no_grad():
+            model.weight.fill_(v)
+        swa.update(model)
+    assert swa.module.weight.item() == pytest.approx(7.0)  # (3 + 6 + 12) / 3

@@ -155,3 +155,28 @@ def test_bad_input_errors():
         update_bn(_loader(), _model(), max_batches=0)
     with pytest.raises(TypeError, match="forward="):
         update_bn(["not a tensor"], _model())
+
+
+def test_namedtuple_batches_use_their_first_field():
+    from collections import namedtuple
+
+    Batch = namedtuple("Batch", ["x", "y"])
+    loader = [Batch(x, torch.zeros(len(x))) for x in _loader()]
+    ours, ref = _model(), _model()
+    assert update_bn(loader, ours, device="cpu") == len(loader)
+    swa_utils.update_bn(_loader(), ref)
+    _assert_same_stats(ours, ref)
+
+
+def test_running_var_is_exact_unbiased_average_of_batch_variances():
+    # hand reference: BatchNorm1d keeps the unbiased batch variance; with momentum=None the running
+    # value is the plain mean over batches
+    loader = [torch.tensor([[0.0], [2.0]]), torch.tensor([[1.0], [1.0], [4.0]])]
+    bn = nn.BatchNorm1d(1, momentum=0.1)
+    update_bn(loader, bn)
+    mean_1, mean_2 = 1.0, 2.0
+    var_1 = ((0 - 1) ** 2 + (2 - 1) ** 2) / 1  # 2.0
+    var_2 = ((1 - 2) ** 2 + (1 - 2) ** 2 + (4 - 2) ** 2) / 2  # 3.0
+    assert bn.running_mean.item() == pytest.approx((mean_1 + mean_2) / 2)
+    assert bn.running_var.item() == pytest.approx((var_1 + var_2) / 2)
+    assert bn.momentum == 0.1 and bn.num_batches_tracked.item() == 2

@@ -126,7 +126,9 @@ class _Averager:
             if not average:
                 dst.copy_(src)  # integer buffers (num_batches_tracked, ...) and unaveraged buffers
                 continue
-            src = src.to(device=dst.device, dtype=dst.dtype, non_blocking=True)
+            # non_blocking only towards an accelerator: a non-blocking copy into host memory may
+            # still be in flight when the CPU lerp reads it
+            src = src.to(device=dst.device, dtype=dst.dtype, non_blocking=dst.device.type != "cpu")
             dsts, srcs = groups.setdefault((dst.device, dst.dtype), ([], []))
             dsts.append(dst)
             srcs.append(src)

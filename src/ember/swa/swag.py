@@ -108,8 +108,10 @@ class SWAG:
         row = self.deviations[n % self.max_rank]
         # the flattened weights go straight into their ring slot, which then becomes the deviation
         offset = 0
+        # non_blocking only towards an accelerator (a host destination is read right away)
+        non_blocking = self.device.type != "cpu"
         for p, k in zip(params, self.numels, strict=True):
-            row[offset : offset + k].copy_(p.detach().reshape(-1), non_blocking=True)
+            row[offset : offset + k].copy_(p.detach().reshape(-1), non_blocking=non_blocking)
             offset += k
         self.mean.lerp_(row, 1.0 / (n + 1))
         self.sq_mean.mul_(n / (n + 1)).addcmul_(row, row, value=1.0 / (n + 1))
