@@ -195,3 +195,16 @@ def test_bad_input_errors_name_the_problem():
         SWAG(nn.Linear(3, 1), max_rank=3).load_state_dict(swag.state_dict())
     with pytest.raises(ValueError, match="max_rank"):
         SWAG(model, max_rank=2).load_state_dict(swag.state_dict())
+
+
+def test_statistics_live_on_the_chosen_device_and_dtype():
+    model = _tiny()  # P = 3
+    swag = SWAG(model, max_rank=4, device="cpu", dtype=torch.float64)
+    for t in (swag.mean, swag.sq_mean, swag.deviations):
+        assert t.device == torch.device("cpu") and t.dtype == torch.float64
+    assert swag.memory_bytes == (2 + 4) * 3 * 8  # hand count: 144 bytes
+    held = sum(t.numel() * t.element_size() for t in (swag.mean, swag.sq_mean, swag.deviations))
+    assert held == 144
+    swag.collect(model)
+    expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    torch.testing.assert_close(swag.mean, expected)
