@@ -219,3 +219,20 @@ def test_seeded_stream_continues_identically_in_a_forked_child():
     g = csprng.create_generator(11)
     in_child = _child_draw(g)
     assert draw(g, 8).tolist() == in_child
+
+
+def test_import_is_light_and_needs_neither_dynamo_nor_triton():
+    import subprocess
+
+    code = ("import sys, ember.csprng; "
+            "print('torch._dynamo' in sys.modules, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_chacha20_generators_are_available_and_differ_from_aes():
+    a = csprng.create_generator(3, cipher="chacha20")
+    assert a.cipher == "chacha20"
+    assert not torch.equal(draw(a), draw(csprng.create_generator(3)))
+    b = csprng.Generator().set_state(a.get_state())
+    assert torch.equal(draw(a), draw(b))

@@ -5,6 +5,8 @@ AES-128 in counter mode. See docs/csprng.md for the API and docs/csprng-stream.m
 stream layout.
 """
 
+from . import chacha as _chacha  # noqa: F401 - registers the "chacha20" cipher
+from . import cuda_backend as _cuda_backend  # noqa: F401 - registers the "cuda" backend
 from . import torch_adapter as _torch_adapter
 from .generator import (
     Generator,

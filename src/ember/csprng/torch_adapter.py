@@ -9,7 +9,6 @@ ember generator instead of drawing from its inherited Mersenne Twister state.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from collections.abc import Callable, Sequence
@@ -349,7 +348,14 @@ def _wraps(original: Callable[..., Any]):
 def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_generator: int = -1):
     # Under torch.compile the draw runs eagerly at a graph break: the generator's stream is Python
     # state that a graph cannot hold, and the eager draw keeps compiled and eager output equal.
-    eager_impl = torch.compiler.disable(functools.partial(_eager, impl))
+    # The disabled wrapper is made on first use: torch.compiler.disable imports torch._dynamo,
+    # which costs seconds at import time.
+    disabled: list[Callable[..., Any]] = []
+
+    def eager_impl(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disabled.append(torch.compiler.disable(functools.partial(_eager, impl)))
+        return disabled[0](*args, **kwargs)
     if positional_generator >= 0:
         @_wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -391,7 +397,6 @@ def install() -> None:
         _ORIGINALS[(torch, name)] = original
         wrapper = _wrap(original, impl, 1 if name == "poisson" else -1)
         setattr(torch, name, wrapper)
-        _keep_out_of_graphs(wrapper)
     for name, impl in _TENSOR.items():
         original = getattr(torch.Tensor, name)
         _ORIGINALS[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _INHERITED)
@@ -429,13 +434,6 @@ def _eager(impl: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
         raise Unsupported("ember.csprng draws run eagerly (graph break)")
     return impl(*args, **kwargs)
-
-
-def _keep_out_of_graphs(wrapper: Callable[..., Any]) -> None:
-    """Make torch.compile run ``wrapper`` eagerly (a graph break) instead of putting it in a graph,
-    where it would be traced with a placeholder generator."""
-    with contextlib.suppress(Exception):  # older torch without the API: nothing to do
-        torch._dynamo.disallow_in_graph(wrapper)
 
 
 def uninstall() -> None:
