@@ -5,29 +5,10 @@ They check the ``cryptography`` backend itself and ember's ECB path (``crypt.enc
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-
-def _load(name: str):
-    full = f"ember.csprng.{name}"
-    if full in sys.modules:
-        return sys.modules[full]
-    try:
-        return importlib.import_module(full)
-    except Exception:  # the package __init__ may be absent or mid-change: load by path
-        path = Path(__file__).resolve().parents[2] / f"src/ember/csprng/{name}.py"
-        spec = importlib.util.spec_from_file_location(full, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-
-crypt = _load("crypt")
+from ember.csprng import crypt
 
 FIPS_KEY = bytes(range(16))
 FIPS_PLAIN = bytes.fromhex("00112233445566778899aabbccddeeff")

@@ -7,35 +7,16 @@ a time with Python's ``math`` (the C library, as torchcsprng used).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import struct
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from Crypto.Cipher import AES
 
+from ember.csprng import compat  # noqa: E402
 
-def _load_compat():
-    name = "ember.csprng.compat"
-    if name in sys.modules:
-        return sys.modules[name]
-    try:
-        import ember.csprng.compat as mod  # noqa: PLC0415
-
-        return mod
-    except Exception:  # the package __init__ may be absent or mid-change: load by path
-        path = Path(__file__).resolve().parents[2] / "src/ember/csprng/compat.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-
-compat = _load_compat()
 MT19937Sampler = compat.MT19937Sampler
 
 

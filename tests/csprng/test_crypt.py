@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import struct
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from Crypto.Cipher import AES
 
+from ember.csprng import crypt
 
-def _load(name: str):
-    full = f"ember.csprng.{name}"
-    if full in sys.modules:
-        return sys.modules[full]
-    try:
-        return importlib.import_module(full)
-    except Exception:  # the package __init__ may be absent or mid-change: load by path
-        path = Path(__file__).resolve().parents[2] / f"src/ember/csprng/{name}.py"
-        spec = importlib.util.spec_from_file_location(full, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-
-crypt = _load("crypt")
 encrypt, decrypt = crypt.encrypt, crypt.decrypt
 
 KEY = torch.arange(16, dtype=torch.uint8) * 7 + 3

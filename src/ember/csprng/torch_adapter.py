@@ -356,32 +356,19 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
         if not disabled:
             disabled.append(torch.compiler.disable(functools.partial(_eager, impl)))
         return disabled[0](*args, **kwargs)
-    if positional_generator >= 0:
-        @_wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            g = kwargs.get("generator")
-            if g is None and len(args) > positional_generator:
-                g = args[positional_generator]
-                if _ember(g):
-                    args, kwargs = args[:positional_generator], {"generator": g}
-            if g is None:
-                return original(*args, **kwargs)
-            if not isinstance(g, Generator):
-                return original(*args, **kwargs)
-            if torch.compiler.is_compiling():
-                return eager_impl(*args, **kwargs)
-            return impl(*args, **kwargs)
-    else:
-        @_wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            g = kwargs.get("generator")
-            if g is None:
-                return original(*args, **kwargs)
-            if not isinstance(g, Generator):
-                return original(*args, **kwargs)
-            if torch.compiler.is_compiling():
-                return eager_impl(*args, **kwargs)
-            return impl(*args, **kwargs)
+    @_wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        g = kwargs.get("generator")
+        if g is None and 0 <= positional_generator < len(args):  # torch.poisson(input, generator)
+            g = args[positional_generator]
+            if _ember(g):
+                args, kwargs = args[:positional_generator], {"generator": g}
+        if g is None or not isinstance(g, Generator):
+            return original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return eager_impl(*args, **kwargs)
+        return impl(*args, **kwargs)
+
     wrapper.__ember_original__ = original  # type: ignore[attr-defined]
     return wrapper
 
