@@ -115,6 +115,17 @@ def _write(output: torch.Tensor, data: np.ndarray) -> None:
         output.view(-1).view(torch.uint8).copy_(torch.from_numpy(data.copy()))
 
 
+def _checked(input, output, key, cipher: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+    """The checks shared by encrypt and decrypt: (input, output, raw 16-byte key)."""
+    input, output = _check_tensor("input", input), _check_tensor("output", output)
+    _check_tensor("key", key)
+    _check_device(input=input, output=output, key=key)
+    _check_cipher_mode(cipher, mode)
+    raw_key = _key_bytes(key, (16,))
+    _check_output(output)
+    return input, output, raw_key
+
+
 def encrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
             cipher: str = "aes128", mode: str = "ecb") -> torch.Tensor:
     """Encrypt ``input``'s bytes into ``output`` with torchcsprng's semantics; returns ``output``.
@@ -123,12 +134,7 @@ def encrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
     block is zero-padded); ``key`` is any tensor of exactly 16 bytes. Unauthenticated: prefer
     :func:`encrypt_gcm`.
     """
-    input, output = _check_tensor("input", input), _check_tensor("output", output)
-    _check_tensor("key", key)
-    _check_device(input=input, output=output, key=key)
-    _check_cipher_mode(cipher, mode)
-    raw_key = _key_bytes(key, (16,))
-    _check_output(output)
+    input, output, raw_key = _checked(input, output, key, cipher, mode)
     n_in = _nbytes(input)
     padded = -(-n_in // BLOCK) * BLOCK
     if _nbytes(output) != padded:
@@ -146,12 +152,7 @@ def decrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
 
     ``output`` may be up to 15 bytes shorter than ``input``: the trailing padding is dropped.
     """
-    input, output = _check_tensor("input", input), _check_tensor("output", output)
-    _check_tensor("key", key)
-    _check_device(input=input, output=output, key=key)
-    _check_cipher_mode(cipher, mode)
-    raw_key = _key_bytes(key, (16,))
-    _check_output(output)
+    input, output, raw_key = _checked(input, output, key, cipher, mode)
     n_in, n_out = _nbytes(input), _nbytes(output)
     if n_in % BLOCK:
         raise ValueError(f"input: expected a multiple of {BLOCK} bytes, got {n_in} bytes")
