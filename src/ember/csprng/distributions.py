@@ -49,7 +49,7 @@ def _flat_np(out: torch.Tensor) -> np.ndarray | None:
     """A NumPy view of ``out`` when NumPy has its dtype (every dtype but bfloat16)."""
     if out.dtype == torch.bfloat16:
         return None
-    return out.view(-1).numpy()
+    return out.numpy().reshape(-1)  # contiguous: a view
 
 
 def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
@@ -138,8 +138,8 @@ class _Sink:
     """Writes float/int/bool chunks into ``out`` (directly when NumPy has its dtype)."""
 
     def __init__(self, out: torch.Tensor) -> None:
-        self.out = out.view(-1)
         self.np = _flat_np(out)
+        self.out = out.view(-1) if self.np is None else out  # torch view only for bfloat16
 
     def write(self, lo: int, hi: int, values: np.ndarray) -> None:
         if self.np is not None:
