@@ -24,6 +24,21 @@ def _loader_keys(ds: ShardDataset, num_workers: int) -> list[str]:
     return [s["__key__"] for s in ShardLoader(ds, num_workers=num_workers)]
 
 
+def _stop_and_resume(make, num_workers: int, stop: int) -> tuple[list[str], list[str], ShardLoader]:
+    """Keys read before stopping after ``stop`` samples, the keys a loader resumed from there
+    reads, and that loader."""
+    loader = ShardLoader(make(), num_workers=num_workers)
+    head = []
+    for s in loader:
+        head.append(_key(s))
+        if len(head) == stop:
+            break
+    state = loader.state_dict()
+    resumed = ShardLoader(make(), num_workers=num_workers)
+    resumed.load_state_dict(state)
+    return head, [_key(s) for s in resumed], resumed
+
+
 @pytest.fixture
 def twelve(make_shards):
     """12 shards of 8 samples."""
@@ -136,16 +151,7 @@ def test_loader_state_dict_resume_at_random_points(twelve, num_workers):
         full = _loader_keys(make(rank), num_workers)
         assert len(full) == 48
         for stop in sorted(rng.sample(range(1, len(full)), 3)):
-            loader = ShardLoader(make(rank), num_workers=num_workers)
-            head = []
-            for s in loader:
-                head.append(_key(s))
-                if len(head) == stop:
-                    break
-            state = loader.state_dict()
-            resumed = ShardLoader(make(rank), num_workers=num_workers)
-            resumed.load_state_dict(state)
-            tail = [_key(s) for s in resumed]
+            head, tail, resumed = _stop_and_resume(lambda rank=rank: make(rank), num_workers, stop)
             assert Counter(head + tail) == Counter(full), (rank, stop)  # nothing lost or repeated
             assert head + tail == full, (rank, stop)  # and in the same order
             assert resumed.epoch == 1
@@ -242,15 +248,6 @@ def test_loader_resume_with_uneven_workers(tmp_path):
     rng = random.Random(99)
     stops = sorted(set(rng.sample(range(1, len(full)), 4)) | {len(full) - 3, len(full) - 1})
     for stop in stops:
-        loader = ShardLoader(make(), num_workers=WORKERS)
-        head = []
-        for s in loader:
-            head.append(_key(s))
-            if len(head) == stop:
-                break
-        state = loader.state_dict()
-        resumed = ShardLoader(make(), num_workers=WORKERS)
-        resumed.load_state_dict(state)
-        tail = [_key(s) for s in resumed]
+        head, tail, _ = _stop_and_resume(make, WORKERS, stop)
         assert Counter(head + tail) == Counter(full), stop
         assert head + tail == full, stop
