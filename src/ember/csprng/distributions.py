@@ -391,10 +391,10 @@ class NativeSampler:
         _drive(draw, n, 1, word, body)
         if rejected:
             positions = np.sort(np.concatenate(rejected))
-            self._refill_integers(draw, positions, r, offset, out, dst, sink)
+            self._refill_integers(draw, positions, r, offset, out, dst)
 
     def _refill_integers(self, draw: Draw, positions: np.ndarray, r: int, offset: np.uint64,
-                         out: torch.Tensor, dst, sink) -> None:
+                         out: torch.Tensor, dst) -> None:
         """Replace rejected values, in position order, from the draw's refill stream."""
         refill = NativeSampler(draw.refill_stream())
         wide = r > 1 << 32

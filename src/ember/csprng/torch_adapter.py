@@ -212,7 +212,6 @@ def _randperm(n: int, **kwargs: Any) -> torch.Tensor:
 
 def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
-    factory_keys = ("size", "dtype", "layout", "device", "pin_memory", "requires_grad")
     if len(args) >= 3 or "size" in kwargs:
         mean, std = (list(args[:2]) + [kwargs.pop("mean", 0.0), kwargs.pop("std", 1.0)])[:2] \
             if len(args) >= 2 else (kwargs.pop("mean", args[0] if args else 0.0),
@@ -226,7 +225,7 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
                       ("mean", "std"), (0.0, 1.0))
     out = kwargs.pop("out", None)
     kwargs.pop("generator", None)
-    if any(k in kwargs for k in factory_keys) or kwargs:
+    if kwargs:  # factory keywords (dtype=, device=, ...) belong to the float-float-size overload
         raise TypeError(f"normal(): unexpected keyword arguments {sorted(kwargs)}")
     mt, st = isinstance(mean, torch.Tensor), isinstance(std, torch.Tensor)
     if not (mt or st):
