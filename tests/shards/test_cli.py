@@ -58,6 +58,12 @@ def test_verify_ok_and_corrupt(shards, tmp_path, capsys):
     assert "5 of 6 shards ok" in out
     corrupt = [line for line in out.splitlines() if line.startswith("CORRUPT")]
     assert len(corrupt) == 1 and victim in corrupt[0] and "byte" in corrupt[0]
+    garbage = tmp_path / "garbage.tar"  # not a tar at all: its first header fails the checksum
+    garbage.write_bytes(b"x" * 700)
+    assert main(["shards", "verify", pattern, str(garbage), "-q"]) == 1
+    out = capsys.readouterr().out
+    assert f"CORRUPT shard {garbage} at byte 0: tar header checksum mismatch" in out
+    assert "5 of 7 shards ok" in out
 
 
 def test_split_merge_keep_samples(shards, tmp_path, capsys):

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from ember.shards import ShardDataset, ShardError, TarWriter, TruncatedShardError, iter_shard
-from ember.shards.urls import UrlOptions, expand_urls
+from ember.shards.urls import UrlOptions, expand_urls, open_url
 
 FAST = UrlOptions(timeout=5.0, retries=3, backoff=0.01)
 
@@ -99,8 +99,12 @@ def test_http_drops_mid_stream_are_retried(shards, honour_range):
     with _http(files, drop={p: 2 for p in files}, honour_range=honour_range) as (base, hits):
         urls = [base + p for p in sorted(files)]
         t = time.monotonic()
-        assert _keys_of(urls) == keys  # nothing lost or repeated across reconnects
+        got = [s for u in urls for s in iter_shard(u, FAST)]
         assert time.monotonic() - t < 30
+        # nothing lost, repeated or garbled across reconnects
+        assert [s["__key__"] for s in got] == keys
+        local = [s for p in expand_urls(pattern) for s in iter_shard(p)]
+        assert [(s["cls"], s["bin"]) for s in got] == [(s["cls"], s["bin"]) for s in local]
         assert all(n >= 3 for n in hits.values())  # two drops then a good response per shard
 
 
@@ -164,6 +168,10 @@ def test_s3_shards_via_endpoint(s3, shards):
     got = list(ds)
     assert [s["__key__"] for s in got] == keys
     assert got[0]["__url__"] == urls[0] and got[3]["cls"] == b"3"
+    ds = ShardDataset("s3://data/train/s-{000..005}.tar", shuffle_shards=False, s3_endpoint=s3)
+    assert [s["__key__"] for s in ds] == keys
+    with pytest.raises(ShardError, match="NoSuchKey"):
+        list(ShardDataset("s3://data/train/missing.tar", s3_endpoint=s3, retries=1))
     # a brace pattern over s3 URLs, and the endpoint taken from the environment
     os.environ["EMBER_S3_ENDPOINT_URL"] = s3
     try:
@@ -200,6 +208,11 @@ def test_pipe_urls_need_opt_in_and_are_reaped(shards):
     before = _children(os.getpid())
     ds = ShardDataset(urls, shuffle_shards=False, allow_pipe=True)
     assert [s["__key__"] for s in ds] == keys
+    # a stream closed before the command finished has ended and reaped the command
+    stream = open_url(f"pipe:cat {paths[0]}", UrlOptions(allow_pipe=True))
+    assert len(stream.read(100)) == 100
+    stream.close()
+    assert stream.proc.returncode is not None
     # stop early, in the middle of a shard whose command is still writing
     slow = [f"pipe:cat {paths[0]}; sleep 30"]
     it = iter(ShardDataset(slow, allow_pipe=True))

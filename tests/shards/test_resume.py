@@ -58,20 +58,25 @@ def _uneven(tmp_path, sizes):
     return urls, keys
 
 
-def test_every_sample_once_per_epoch_2_ranks_3_workers(twelve):
-    pattern, keys = twelve
+# (shards, samples per shard, samples per rank): 6 streams (2 ranks x 3 workers) deal the epoch's
+# shard order round-robin, stream s = worker * 2 + rank taking positions s, s + 6, ...; with 13
+# shards rank 0's streams 0, 2, 4 get 3 + 2 + 2 shards and rank 1's streams 1, 3, 5 get 2 each
+@pytest.mark.parametrize("nshards, per_shard, per_rank", [(12, 8, [48, 48]), (13, 5, [35, 30])])
+def test_every_sample_once_per_epoch_2_ranks_3_workers(make_shards, nshards, per_shard,
+                                                        per_rank):
+    pattern, keys = make_shards(nshards, per_shard)
     for epoch in range(2):
         seen = []
-        per_rank = []
+        got_per_rank = []
         for rank in range(WORLD):
             ds = ShardDataset(pattern, seed=5, rank=rank, world_size=WORLD).shuffle(20)
             ds.set_epoch(epoch)
             got = _loader_keys(ds, WORKERS)
-            per_rank.append(got)
+            got_per_rank.append(got)
             seen += got
         assert Counter(seen) == Counter(keys)  # each exactly once
-        assert set(per_rank[0]).isdisjoint(per_rank[1])
-        assert len(per_rank[0]) == len(per_rank[1]) == 48  # 12 shards over 6 streams
+        assert set(got_per_rank[0]).isdisjoint(got_per_rank[1])
+        assert [len(g) for g in got_per_rank] == per_rank
 
 
 def test_direct_iteration_splits_like_the_plan(twelve):
@@ -139,7 +144,7 @@ def test_direct_state_dict_resume(twelve):
         assert head + tail == full, stop
 
 
-@pytest.mark.parametrize("num_workers", [2, 3])
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
 def test_loader_state_dict_resume_at_random_points(twelve, num_workers):
     pattern, keys = twelve
     rng = random.Random(1234 + num_workers)

@@ -177,6 +177,22 @@ def test_output_readable_by_webdataset(tmp_path):
     assert got[1]["cls"] == b"1" and got[1]["txt"] == b"text 1" and got[1]["seg.png"] == b"P"
 
 
+def test_webdataset_decodes_encoded_values(tmp_path):
+    wds = pytest.importorskip("webdataset")
+    with ShardWriter(str(tmp_path / "w-%02d.tar"), maxcount=3) as w:
+        for i in range(7):
+            w.write({"__key__": f"dir/{'n' * 120}{i}", "txt": f"t{i}", "cls": i,
+                     "json": {"i": i}, "npy": np.arange(i, dtype=np.int32),
+                     "png": np.full((4, 5, 3), i, dtype=np.uint8)})
+    assert len(w.shards) == 3
+    got = list(wds.WebDataset(str(tmp_path / "w-{00..02}.tar"), shardshuffle=False).decode("rgb8"))
+    assert [s["__key__"] for s in got] == [f"dir/{'n' * 120}{i}" for i in range(7)]
+    for i, s in enumerate(got):
+        assert int(s["cls"]) == i and s["txt"] == f"t{i}" and s["json"] == {"i": i}
+        assert (s["npy"] == np.arange(i)).all() and s["png"].shape == (4, 5, 3)
+        assert (s["png"] == i).all()
+
+
 def test_reads_shards_written_by_webdataset(tmp_path):
     wds = pytest.importorskip("webdataset")
     pattern = str(tmp_path / "w-%02d.tar")
