@@ -269,3 +269,84 @@ def test_bad_samples_rejected(tmp_path):
         w.write({"__key__": "ok", "cls": 1})
     # the rejected samples left nothing behind
     assert [s["__key__"] for s in iter_shard(str(tmp_path / "b.tar"))] == ["ok"]
+
+
+# one value per conventional extension, and how to compare its decoded form with the value
+_OBJ = {"a": [1, 2.5, None, "x"], "b": {"c": True}}
+_ROUND_TRIPS = {
+    **{ext: (42, 42) for ext in ("cls", "cls2", "index", "inx", "id")},
+    **{ext: ("héllo\nwörld", "héllo\nwörld") for ext in ("txt", "text", "transcript")},
+    **{ext: (_OBJ, _OBJ) for ext in ("json", "jsn")},
+    **{ext: ({"m": [1, b"\x00raw", "s"]}, {"m": [1, b"\x00raw", "s"]})
+       for ext in ("mp", "msg", "msgpack", "cbor")},
+    **{ext: ({"z": (1, 2)}, {"z": (1, 2)}) for ext in ("pyd", "pickle", "pkl")},
+}
+
+
+def test_round_trips_cover_every_structured_extension():
+    from ember.shards import decode
+
+    structured = (decode.INT_EXTENSIONS | decode.TEXT_EXTENSIONS | decode.JSON_EXTENSIONS
+                  | decode.MSGPACK_EXTENSIONS | decode.CBOR_EXTENSIONS | decode.PICKLE_EXTENSIONS)
+    assert set(_ROUND_TRIPS) == structured
+
+
+@pytest.mark.parametrize("ext", sorted(_ROUND_TRIPS))
+@pytest.mark.parametrize("gz", [False, True])
+def test_every_structured_extension_round_trips(tmp_path, ext, gz):
+    value, expected = _ROUND_TRIPS[ext]
+    field = ext + ".gz" if gz else ext
+    dec, raw = _roundtrip(tmp_path, {"__key__": "k", field: value}, allow_pickle=True)
+    assert dec[field] == expected
+    if gz:
+        assert raw[field][:2] == b"\x1f\x8b"
+
+
+def test_cbor_is_standard_cbor(tmp_path):
+    cbor2 = pytest.importorskip("cbor2")
+    obj = {"a": [1, 2.5, None, "x", b"\x00\xff"], "n": -(2**40), "t": True}
+    dec, raw = _roundtrip(tmp_path, {"__key__": "c", "cbor": obj, "s.cbor": "text"})
+    assert cbor2.loads(raw["cbor"]) == obj  # readable by any CBOR decoder
+    assert dec["cbor"] == obj
+    # a str is serialised as a CBOR text string, not stored as raw UTF-8
+    assert raw["s.cbor"] == b"\x64text" and dec["s.cbor"] == "text"
+    # bytes pass through unchanged, so pre-encoded CBOR is stored as given
+    dec, raw = _roundtrip(tmp_path, {"__key__": "c", "cbor": cbor2.dumps([7, 8])})
+    assert dec["cbor"] == [7, 8]
+
+
+@pytest.mark.parametrize("module, ext", [("cbor2", "cbor"), ("msgpack", "mp")])
+def test_missing_optional_codec_is_a_clear_error(tmp_path, monkeypatch, module, ext):
+    import sys
+
+    from ember.shards import encode_field
+
+    path = tmp_path / "o.tar"
+    with TarWriter(str(path)) as w:
+        w.write({"__key__": "k", ext: {"a": 1}})
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    with pytest.raises(ImportError, match=f"needs the {module} package"):
+        encode_field(ext, {"a": 1})
+    assert encode_field(ext, b"pre-encoded") == b"pre-encoded"
+    # decoding: an ImportError, even where on_error would skip bad samples
+    with pytest.raises(ImportError, match=f"decoding .{ext} needs the {module} package"):
+        list(ShardDataset(str(path), on_error="skip").decode())
+
+
+_IMAGES = ["bmp", "gif", "jpeg", "jpg", "pbm", "pgm", "png", "pnm", "ppm", "tif", "tiff", "webp"]
+
+
+def test_image_round_trips_cover_every_image_extension():
+    from ember.shards.decode import IMAGE_EXTENSIONS
+
+    assert set(IMAGE_EXTENSIONS) == set(_IMAGES)
+
+
+@pytest.mark.parametrize("ext", _IMAGES)
+def test_every_image_extension_round_trips(tmp_path, ext):
+    img = np.zeros((8, 10, 3), dtype=np.uint8)  # black and white: exact in every format but jpeg
+    img[2:6, 3:8] = 255
+    dec, _ = _roundtrip(tmp_path, {"__key__": "im", ext: img}, "rgb8")
+    assert dec[ext].shape == (8, 10, 3) and dec[ext].dtype == np.uint8
+    tolerance = 40 if ext in ("jpg", "jpeg", "webp") else 0  # lossy by default
+    assert np.abs(dec[ext].astype(int) - img.astype(int)).max() <= tolerance

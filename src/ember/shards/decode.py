@@ -8,6 +8,7 @@ non-weights-only ``torch.load`` stay off unless ``allow_pickle=True``; images la
 from __future__ import annotations
 
 import gzip
+import importlib
 import io
 import json
 import warnings
@@ -27,6 +28,7 @@ TEXT_EXTENSIONS = frozenset(("txt", "text", "transcript"))
 JSON_EXTENSIONS = frozenset(("json", "jsn"))
 PICKLE_EXTENSIONS = frozenset(("pyd", "pickle", "pkl"))
 MSGPACK_EXTENSIONS = frozenset(("mp", "msg", "msgpack"))
+CBOR_EXTENSIONS = frozenset(("cbor",))
 
 #: default limit on width * height of decoded images (Pillow's own default)
 MAX_PIXELS = 89_478_485
@@ -134,18 +136,20 @@ def _basic(ext: str, data: bytes, allow_pickle: bool) -> Any:
 
         return pickle.loads(data)
     if ext in MSGPACK_EXTENSIONS:
-        try:
-            import msgpack
-        except ImportError as exc:
-            raise ValueError("decoding .mp/.msg needs the msgpack package") from exc
-        return msgpack.unpackb(data, raw=False)
-    if ext == "cbor":
-        try:
-            import cbor2
-        except ImportError as exc:
-            raise ValueError("decoding .cbor needs the cbor2 package") from exc
-        return cbor2.loads(data)
+        return _optional("msgpack", ext).unpackb(data, raw=False)
+    if ext in CBOR_EXTENSIONS:
+        return _optional("cbor2", ext).loads(data)
     return _NOT_DECODED
+
+
+def _optional(module: str, ext: str):
+    """A decoder package that is installed only by users who need it (as in webdataset)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        # not a property of the sample: raised as is, never skipped by on_error
+        raise ImportError(f"decoding .{ext} needs the {module} package (pip install {module})"
+                          ) from None
 
 
 _NOT_DECODED = object()
@@ -202,6 +206,8 @@ class Decoder:
                 continue
             try:
                 out[ext] = self.decode_field(ext, value)
+            except ImportError:
+                raise
             except Exception as exc:
                 raise DecodeError(
                     f"cannot decode field {ext!r} of sample {sample.get('__key__')!r}: {exc}",

@@ -8,6 +8,7 @@ component picks the encoder; a trailing ``.gz`` gzips the encoded bytes).
 from __future__ import annotations
 
 import gzip
+import importlib
 import io
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ember.shards.decode import (
+    CBOR_EXTENSIONS,
     IMAGE_EXTENSIONS,
     INT_EXTENSIONS,
     JSON_EXTENSIONS,
@@ -33,7 +35,7 @@ _PIL_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "ppm": "PPM", "pgm"
 
 
 # formats whose encoding of a str is not its UTF-8 text: a str value is serialised like any other
-_BINARY_FORMATS = MSGPACK_EXTENSIONS | PICKLE_EXTENSIONS | {"cbor", "pth"}
+_BINARY_FORMATS = MSGPACK_EXTENSIONS | CBOR_EXTENSIONS | PICKLE_EXTENSIONS | {"pth"}
 
 
 def _image_bytes(ext: str, value: Any) -> bytes:
@@ -65,6 +67,15 @@ def _image_bytes(ext: str, value: Any) -> bytes:
     else:
         value.save(buf, format=fmt)
     return buf.getvalue()
+
+
+def _optional(module: str, ext: str):
+    """An encoder package that is installed only by users who need it (as in webdataset)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"encoding a non-bytes value as {ext!r} needs the {module} package "
+                          f"(pip install {module}), or pass bytes") from None
 
 
 def encode_field(ext: str, value: Any) -> bytes:
@@ -101,13 +112,9 @@ def encode_field(ext: str, value: Any) -> bytes:
 
         return pickle.dumps(value)
     if last in MSGPACK_EXTENSIONS:
-        import msgpack
-
-        return msgpack.packb(value, use_bin_type=True)
-    if last == "cbor":
-        import cbor2
-
-        return cbor2.dumps(value)
+        return _optional("msgpack", ext).packb(value, use_bin_type=True)
+    if last in CBOR_EXTENSIONS:
+        return _optional("cbor2", ext).dumps(value)
     if last in IMAGE_EXTENSIONS:
         return _image_bytes(last, value)
     raise TypeError(f"no encoder for a {type(value).__name__} value with extension {ext!r}; "
