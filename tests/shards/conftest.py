@@ -10,10 +10,12 @@ from ember.shards import ShardWriter
 
 
 def write_shards(directory, nshards: int, per_shard: int, *, prefix: str = "s",
-                 payload: int = 16) -> tuple[str, list[str]]:
-    """Write ``nshards`` shards of ``per_shard`` samples; returns (brace pattern, all keys)."""
+                 payload: int = 16, index: bool = False) -> tuple[str, list[str]]:
+    """Write ``nshards`` shards of ``per_shard`` samples (with ``.idx`` files if ``index``);
+    returns (brace pattern, all keys)."""
     keys = []
-    with ShardWriter(os.path.join(directory, f"{prefix}-%03d.tar"), maxcount=per_shard) as w:
+    with ShardWriter(os.path.join(directory, f"{prefix}-%03d.tar"), maxcount=per_shard,
+                     index=index) as w:
         for i in range(nshards * per_shard):
             key = f"{prefix}{i:05d}"
             keys.append(key)
@@ -24,7 +26,7 @@ def write_shards(directory, nshards: int, per_shard: int, *, prefix: str = "s",
 
 @pytest.fixture
 def make_shards(tmp_path):
-    """``make_shards(nshards, per_shard, prefix=..., payload=...)`` -> (pattern, keys)."""
+    """``make_shards(nshards, per_shard, prefix=..., payload=..., index=...)`` -> (pattern, keys)."""
     return lambda *a, **k: write_shards(tmp_path, *a, **k)
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import warnings
 from collections import Counter
 
 import pytest
 
-from ember.shards import ShardDataset, ShardLoader, ShardWriter, plan
+from ember.shards import ShardDataset, ShardError, ShardLoader, ShardWriter, TarWriter, plan
+from ember.shards.index import write_index
+from ember.shards.urls import expand_urls
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -16,8 +20,9 @@ WORKERS = 3
 WORLD = 2
 
 
-def _key(sample) -> str:
-    return sample["__key__"]
+def _key(item):
+    """A sample's key; items that stages already made into keys (or batches of keys) as they are."""
+    return item["__key__"] if isinstance(item, dict) else item
 
 
 def _loader_keys(ds: ShardDataset, num_workers: int) -> list[str]:
@@ -256,3 +261,252 @@ def test_loader_resume_with_uneven_workers(tmp_path):
         head, tail, _ = _stop_and_resume(make, WORKERS, stop)
         assert Counter(head + tail) == Counter(full), stop
         assert head + tail == full, stop
+
+
+# ---- resuming through index files: seek instead of reading and discarding -------------------
+
+
+def _flat(items) -> list[str]:
+    """Sample keys of items that are keys or lists (batches) of keys, in order."""
+    out = []
+    for item in items:
+        out += item if isinstance(item, list) else [item]
+    return out
+
+
+PIPELINES = {
+    "shuffle": lambda ds: ds.shuffle(12).map(_key),
+    "batched": lambda ds: ds.shuffle(12).map(_key).batched(5, collation_fn=None),
+    "decode": lambda ds: ds.decode().map(lambda s: f"{s['__key__']}:{s['cls']}").shuffle(7),
+    "with_epoch": lambda ds: ds.shuffle(6).map(_key).with_epoch(50),
+    "equalize": lambda ds: ds.shuffle(6).map(_key),
+}
+
+
+def _make(pattern, name, rank=0, world=1):
+    equalize = "repeat" if name == "equalize" else None
+    ds = ShardDataset(pattern, seed=31, rank=rank, world_size=world, equalize=equalize)
+    return PIPELINES[name](ds)
+
+
+class _Opens:
+    """Records where each shard's tar parsing starts: (shard, byte offset of the stream)."""
+
+    def __init__(self, monkeypatch):
+        import ember.shards.dataset as dataset
+
+        self.seen: list[tuple[str, int]] = []
+        real = dataset.open_tar_source
+
+        def spy(stream, url):
+            self.seen.append((url, stream.tell()))
+            return real(stream, url)
+
+        monkeypatch.setattr(dataset, "open_tar_source", spy)
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_index_resume_equals_uninterrupted_run(make_shards, name, num_workers):
+    pattern, _ = make_shards(9, 8, index=True)
+    world = 2 if name == "equalize" else 1
+    rng = random.Random(sorted(PIPELINES).index(name) * 10 + num_workers)
+    for rank in range(world):
+        full = list(ShardLoader(_make(pattern, name, rank, world), num_workers=num_workers))
+        for stop in sorted(rng.sample(range(1, len(full)), 4)):
+            head, tail, _ = _stop_and_resume(lambda r=rank: _make(pattern, name, r, world),
+                                             num_workers, stop)
+            assert head + tail == full, (rank, stop)
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_index_resume_does_not_open_consumed_shards(make_shards, monkeypatch, name):
+    pattern, _ = make_shards(9, 8, index=True)
+    world = 2 if name == "equalize" else 1
+    make = lambda: _make(pattern, name, 0, world)  # noqa: E731
+    full = list(ShardLoader(make(), num_workers=0))
+    stop = len(full) * 2 // 3
+    loader = ShardLoader(make(), num_workers=0)
+    head = []
+    for item in loader:
+        head.append(item)
+        if len(head) == stop:
+            break
+    state = loader.state_dict()
+    consumed = {k.split(":")[0] for k in _flat(head)}
+    urls = expand_urls(pattern)
+    done = {u for i, u in enumerate(urls) if all(f"s{i * 8 + j:05d}" in consumed for j in range(8))}
+    assert len(done) >= 2
+    opens = _Opens(monkeypatch)
+
+    def resumed_opens():
+        opens.seen.clear()
+        resumed = ShardLoader(make(), num_workers=0)
+        resumed.load_state_dict(state)
+        assert list(resumed) == full[stop:]
+        return {u for u, _ in opens.seen}
+
+    assert resumed_opens().isdisjoint(done)
+    for url in urls:
+        os.remove(url + ".idx")
+    assert resumed_opens() >= done  # without indexes the consumed shards are read again
+
+
+def test_index_resume_seeks_to_the_first_unconsumed_sample(make_shards, monkeypatch):
+    pattern, keys = make_shards(4, 8, index=True)
+    urls = expand_urls(pattern)
+    make = lambda: ShardDataset(pattern, shuffle_shards=False)  # noqa: E731
+    ds = make()
+    it = iter(ds)
+    head = [_key(next(it)) for _ in range(21)]  # shards 0 and 1, and 5 samples of shard 2
+    state = ds.state_dict()
+    it.close()
+    opens = _Opens(monkeypatch)
+    resumed = make()
+    resumed.load_state_dict(state)
+    tail = [_key(s) for s in resumed]
+    assert head + tail == keys
+    with open(urls[2] + ".idx") as f:
+        spans = json.load(f)["samples"]
+    assert spans[5][0] == keys[21]
+    # shards 0 and 1 are not opened; shard 2 is parsed from sample 5's first header on
+    assert opens.seen == [(urls[2], spans[5][1]), (urls[3], 0)]
+
+
+def test_index_resume_never_reads_the_consumed_samples(make_shards):
+    """Damage headers inside shards whose samples were all consumed (the size stays the same, so
+    the indexes still look current): resuming by reading and discarding would fail there."""
+    pattern, _ = make_shards(12, 8, index=True)
+    make = lambda: ShardDataset(pattern, seed=2).shuffle(10).map(_key).batched(3, None)  # noqa: E731
+    full = _flat(ShardLoader(make(), num_workers=3))
+    loader = ShardLoader(make(), num_workers=3)
+    head = []
+    for batch in loader:
+        head += batch
+        if len(head) >= 80:
+            break
+    state = loader.state_dict()
+    damaged = 0
+    for url in expand_urls(pattern):
+        with open(url + ".idx") as f:
+            spans = json.load(f)["samples"]
+        if all(k in head for k, _, _ in spans):
+            with open(url, "r+b") as f:  # the second sample's first header
+                f.seek(spans[1][1])
+                f.write(b"\xff" * 512)
+            damaged += 1
+    assert damaged >= 3
+    resumed = ShardLoader(make(), num_workers=3)
+    resumed.load_state_dict(state)
+    assert head + _flat(resumed) == full
+    # the damage is real: without the indexes the same resume fails on it
+    for url in expand_urls(pattern):
+        os.remove(url + ".idx")
+    again = ShardLoader(make(), num_workers=3)
+    again.load_state_dict(state)
+    with pytest.raises(ShardError, match="checksum"):
+        list(again)
+
+
+def _rewrite_shard(url: str, keys: list[str]) -> None:
+    """Rewrite a conftest shard (``cls`` and 16-byte ``bin`` per sample) with other keys."""
+    with TarWriter(url) as w:
+        for i, key in enumerate(keys):
+            w.write({"__key__": key, "cls": i % 10, "bin": b"z" * 16})
+
+
+def _resume_after_rewrite(pattern, new_keys, stop):
+    """Stop after ``stop`` samples, rewrite shard 1, resume: (uninterrupted keys over the new
+    shards, the resumed keys, warnings)."""
+    make = lambda: ShardDataset(pattern, shuffle_shards=False).shuffle(4)  # noqa: E731
+    ds = make()
+    it = iter(ds)
+    for _ in range(stop):
+        next(it)
+    state = ds.state_dict()
+    it.close()
+    _rewrite_shard(expand_urls(pattern)[1], new_keys)
+    full = [_key(s) for s in make()]
+    resumed = make()
+    resumed.load_state_dict(state)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        tail = [_key(s) for s in resumed]
+    return full, tail, [str(w.message) for w in rec]
+
+
+def test_stale_index_of_another_size_falls_back_with_a_warning(make_shards):
+    pattern, _ = make_shards(3, 8, index=True)
+    full, tail, warned = _resume_after_rewrite(pattern, [f"n{i}" for i in range(11)], 19)
+    assert tail == full[19:]
+    url = expand_urls(pattern)[1]
+    assert any(f"ignoring stale index {url}.idx" in w for w in warned), warned
+
+
+def test_stale_index_of_the_same_size_falls_back_with_a_warning(make_shards):
+    pattern, keys = make_shards(3, 8, index=True)
+    url = expand_urls(pattern)[1]
+    size = os.path.getsize(url)
+    # same number of samples, same key lengths and field sizes: only the keys differ
+    new_keys = [k.replace("s", "x") for k in keys[8:16]]
+    full, tail, warned = _resume_after_rewrite(pattern, new_keys, 19)
+    assert os.path.getsize(url) == size
+    assert tail == full[19:]
+    assert set(new_keys) <= set(full)  # the uninterrupted run reads the new keys
+    assert any(f"index {url}.idx does not match shard {url}" in w for w in warned), warned
+
+
+@pytest.mark.parametrize("reason", ["select", "gzip", "no index"])
+def test_resume_without_a_usable_index_reads_and_discards(make_shards, tmp_path, monkeypatch,
+                                                          reason):
+    if reason == "gzip":
+        urls = []
+        for i in range(3):
+            path = str(tmp_path / f"z-{i}.tar.gz")
+            with TarWriter(path) as w:
+                for j in range(8):
+                    w.write({"__key__": f"z{i}_{j}", "cls": j})
+            write_index(path)
+            urls.append(path)
+        pattern = urls
+    else:
+        pattern, _ = make_shards(3, 8, index=reason != "no index")
+    make = lambda: (ShardDataset(pattern, shuffle_shards=False)  # noqa: E731
+                    .select(lambda s: int(s["cls"]) % 3 != 1))
+    full = [_key(s) for s in make()]
+    ds = make()
+    it = iter(ds)
+    head = [_key(next(it)) for _ in range(9)]
+    state = ds.state_dict()
+    it.close()
+    opens = _Opens(monkeypatch)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [_key(s) for s in resumed] == full
+    assert [u for u, _ in opens.seen] == expand_urls(pattern)  # every shard, from its start
+    assert all(at == 0 for _, at in opens.seen)
+
+
+def test_error_after_a_seek_names_the_absolute_offset(make_shards):
+    pattern, keys = make_shards(2, 8, index=True)
+    url = expand_urls(pattern)[0]
+    with open(url + ".idx") as f:
+        spans = json.load(f)["samples"]
+    ds = ShardDataset(pattern, shuffle_shards=False)
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    state = ds.state_dict()
+    it.close()
+    bad_at = spans[6][1]
+    with open(url, "r+b") as f:
+        f.seek(bad_at)
+        f.write(b"\xff" * 512)
+    resumed = ShardDataset(pattern, shuffle_shards=False)
+    resumed.load_state_dict(state)
+    got = []
+    with pytest.raises(ShardError, match="checksum") as ei:
+        for s in resumed:
+            got.append(_key(s))
+    assert got == keys[3:5]  # sample 5 is dropped: its end cannot be known
+    assert ei.value.url == url and ei.value.offset == bad_at

@@ -19,8 +19,9 @@ from ember.shards import plan, stages
 from ember.shards.decode import Decoder
 from ember.shards.errors import ShardError
 from ember.shards.format import group_samples
+from ember.shards.index import index_mismatch, index_path, read_index
 from ember.shards.tar import iter_members, open_tar_source
-from ember.shards.urls import UrlOptions, as_list, open_url
+from ember.shards.urls import UrlOptions, as_list, local_path, open_url
 
 __all__ = ["ShardDataset", "ShardLoader", "iter_shard", "rank_and_world"]
 
@@ -57,6 +58,32 @@ def iter_shard(url: str, options: UrlOptions | None = None) -> Iterator[dict]:
             src.close()
     finally:
         stream.close()
+
+
+def _shard_from(url: str, offset: int) -> Iterator[dict]:
+    """Yield the raw samples of a local uncompressed shard from the sample whose records start
+    at byte ``offset`` (a header boundary taken from the shard's index)."""
+    stream = open_url(url)
+    try:
+        stream.seek(offset)
+        src = open_tar_source(stream, url)
+        try:
+            yield from group_samples(_shifted(iter_members(src, url), offset), url)
+        finally:
+            src.close()
+    finally:
+        stream.close()
+
+
+def _shifted(members: Iterator[tuple[str, bytes, int]], base: int) -> Iterator[tuple]:
+    """Members of a shard parsed from byte ``base``, with offsets (in errors too) made absolute."""
+    try:
+        for name, data, offset in members:
+            yield name, data, offset + base
+    except ShardError as exc:
+        if exc.offset is None:
+            raise
+        raise type(exc)(exc.message, exc.url, exc.offset + base) from exc
 
 
 class _ErrorPolicy:
@@ -226,14 +253,14 @@ class ShardDataset(IterableDataset):
                 policy(exc)
 
     def _raw(self, epoch: int, rank: int, world: int, worker: int, num_workers: int, pass_: int,
-             policy: _ErrorPolicy, quota: int | None) -> Iterator[dict]:
+             read: Callable[[list[str]], Iterator], quota: int | None) -> Iterator:
         seed = self.seed if pass_ == 0 else plan.derive_seed(self.seed, "pass", pass_)
         g = self._generator_copy()
         idx = plan.worker_shards(len(self.urls), seed=seed, epoch=epoch, rank=rank, world=world,
                                  worker=worker, num_workers=num_workers,
                                  shuffle=self.shuffle_shards, generator=g)
         if quota is None:
-            yield from self._shard_samples([self.urls[i] for i in idx], policy)
+            yield from read([self.urls[i] for i in idx])
             return
         if not idx:  # an empty stream repeats a shard chosen from its position
             order = plan.shard_order(len(self.urls), seed=seed, epoch=epoch,
@@ -242,7 +269,7 @@ class ShardDataset(IterableDataset):
         n = 0
         while n < quota:
             before = n
-            for sample in self._shard_samples([self.urls[i] for i in idx], policy):
+            for sample in read([self.urls[i] for i in idx]):
                 yield sample
                 n += 1
                 if n == quota:
@@ -252,32 +279,27 @@ class ShardDataset(IterableDataset):
                                  "repeat for equalize='repeat'")
 
     def _pipeline(self, src: Iterator, epoch: int, rank: int, world: int, worker: int,
-                  num_workers: int, pass_: int, policy: _ErrorPolicy) -> Iterator:
+                  num_workers: int, pass_: int, policy: _ErrorPolicy, skipping: bool) -> Iterator:
         for i, (kind, p) in enumerate(self.stages):
             if kind == "shuffle":
                 g = self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
                                                      world, worker, num_workers, i))
                 src = stages.shuffle(src, p[0], p[1], g)
-            elif kind == "decode":
-                src = stages.decode(src, p[0], policy)
-            elif kind == "map":
-                src = stages.map_samples(src, p[0])
-            elif kind == "map_dict":
-                src = stages.map_dict(src, p[0])
-            elif kind == "rename":
-                src = stages.rename(src, p[0], p[1])
-            elif kind == "select":
-                src = stages.select(src, p[0])
-            elif kind == "to_tuple":
-                src = stages.to_tuple(src, p[0], p[1])
             elif kind == "batched":
-                src = stages.batched(src, p[0], p[1], p[2])
-            else:  # pragma: no cover
-                raise AssertionError(kind)
+                collate = _collate_unless_skipped(p[1]) if skipping else p[1]
+                src = stages.batched(src, p[0], collate, p[2])
+            else:
+                stage = _one_to_one(kind, p, policy)
+                src = _around_skipped(src, stage) if skipping else stage(src)
         return src
 
     def _items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
-               policy: _ErrorPolicy) -> Iterator:
+               policy: _ErrorPolicy, read: Callable[[list[str]], Iterator] | None = None,
+               skipping: bool = False) -> Iterator:
+        """The items of one reading stream; ``read(urls)`` yields the raw samples of a list of
+        shards (by default by reading them), ``skipping`` carries placeholders past the stages."""
+        if read is None:
+            read = lambda urls: self._shard_samples(urls, policy)
         quota = None
         if self.equalize is not None:
             quota = plan.equal_quotas(self.ensure_shard_sizes(), seed=self.seed, epoch=epoch,
@@ -287,10 +309,10 @@ class ShardDataset(IterableDataset):
         pass_ = 0
         left = self.epoch_length
         while True:
-            raw = self._raw(epoch, rank, world, worker, num_workers, pass_, policy, quota)
+            raw = self._raw(epoch, rank, world, worker, num_workers, pass_, read, quota)
             produced = 0
             for item in self._pipeline(raw, epoch, rank, world, worker, num_workers, pass_,
-                                       policy):
+                                       policy, skipping):
                 if left is not None:
                     if left == 0:
                         return
@@ -303,6 +325,43 @@ class ShardDataset(IterableDataset):
                 raise ShardError(f"with_epoch({self.epoch_length}): reading stream rank {rank} "
                                  f"worker {worker} produced no items")
             pass_ += 1
+
+    def _counts_are_content_free(self) -> bool:
+        """Whether how many items a stream yields, and which samples each is made of, depend on
+        sample counts only (no select, no decode errors skipped), so the delivered part of a
+        resumed stream can be worked out from indexes without reading it."""
+        for kind, _ in self.stages:
+            if kind == "select" or (kind == "decode" and self.on_error != "raise"):
+                return False
+        return True
+
+    def _resumed_items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
+                       policy: _ErrorPolicy, skip: int) -> Iterator | None:
+        """The stream's items with its first ``skip`` (already delivered) as placeholders made
+        without reading them, using the shards' indexes; None where the indexes cannot tell."""
+        if not self._counts_are_content_free():
+            return None
+        layout = _IndexedLayout(self.options)
+        delivered = _Delivered()
+        # run the stream's stages over placeholders numbered by position: which positions the
+        # first `skip` items took depends on the shuffle draws and sample counts only
+        shape = self._items(epoch, rank, world, worker, num_workers, policy, layout.samples, True)
+        try:
+            for _ in range(skip):
+                item = next(shape, _END)
+                if item is _END:
+                    break
+                delivered.add(item.positions)
+        except _NoIndex:
+            return None
+        finally:
+            shape.close()
+        reason = layout.mismatch(delivered)
+        if reason is not None:
+            warnings.warn(f"{reason}; resuming by reading and discarding the consumed samples")
+            return None
+        reader = _SkippingReader(layout, delivered, self.options, policy)
+        return self._items(epoch, rank, world, worker, num_workers, policy, reader.samples, True)
 
     def __iter__(self) -> Iterator:
         info = get_worker_info()
@@ -320,14 +379,24 @@ class ShardDataset(IterableDataset):
             worker = (resume["next"] + physical) % num_workers
             skip = resume["consumed"][worker]
         policy = _ErrorPolicy(self.on_error)
-        items = self._items(epoch, rank, world, worker, num_workers, policy)
+        items = None
+        if skip:
+            items = self._resumed_items(epoch, rank, world, worker, num_workers, policy, skip)
+        seeking = items is not None
+        if items is None:
+            items = self._items(epoch, rank, world, worker, num_workers, policy)
         try:
             for _ in range(skip):
-                if next(items, _END) is _END:
+                item = next(items, _END)
+                if item is _END:
                     return
+                if seeking and not isinstance(item, _Skipped):
+                    raise RuntimeError("index-based resume went out of step (a bug in ember)")
             self._consumed = skip
             tagged = self._tagged
             for item in items:
+                if seeking and isinstance(item, _Skipped):
+                    raise RuntimeError("index-based resume went out of step (a bug in ember)")
                 self._consumed += 1
                 self.error_count = policy.count
                 yield (worker, policy.count, item) if tagged else item
@@ -340,6 +409,219 @@ class ShardDataset(IterableDataset):
 
 
 _END = object()
+
+
+def _one_to_one(kind: str, p: tuple, policy: _ErrorPolicy) -> Callable[[Iterator], Iterator]:
+    """The stage for a pipeline entry that turns each item into exactly one item."""
+    if kind == "decode":
+        return lambda src: stages.decode(src, p[0], policy)
+    if kind == "map":
+        return lambda src: stages.map_samples(src, p[0])
+    if kind == "map_dict":
+        return lambda src: stages.map_dict(src, p[0])
+    if kind == "rename":
+        return lambda src: stages.rename(src, p[0], p[1])
+    if kind == "select":
+        return lambda src: stages.select(src, p[0])
+    if kind == "to_tuple":
+        return lambda src: stages.to_tuple(src, p[0], p[1])
+    raise AssertionError(kind)  # pragma: no cover
+
+
+# ---- resuming through indexes ---------------------------------------------------------------
+#
+# A resumed stream must yield exactly what the uninterrupted one would have yielded after its
+# first `skip` items. Those items were made of samples at some positions of the stream; the
+# positions (not the contents) follow from the shuffle draws and the shards' sample counts. So a
+# first pass runs the stages over numbered placeholders (_Skipped) to find the delivered
+# positions, and the real pass reads only the others, putting placeholders in the delivered
+# positions so that shuffle buffers and batches line up with the uninterrupted run.
+
+
+class _Skipped:
+    """Stands for an item made of samples already delivered before the resume: the stream
+    positions of those samples. It goes through shuffles and batches but is never decoded."""
+
+    __slots__ = ("positions",)
+
+    def __init__(self, positions: tuple[int, ...]):
+        self.positions = positions
+
+
+class _NoIndex(Exception):
+    """A shard of the delivered part has no usable index: read and discard instead."""
+
+
+class _Delivered:
+    """The set of delivered stream positions: all those below ``low``, and those in ``rest``."""
+
+    def __init__(self):
+        self.low = 0
+        self.rest: set[int] = set()
+        self.end = 0  # one past the last delivered position
+
+    def add(self, positions: tuple[int, ...]) -> None:
+        self.rest.update(positions)
+        self.end = max(self.end, max(positions, default=-1) + 1)
+        while self.low in self.rest:
+            self.rest.remove(self.low)
+            self.low += 1
+
+    def __contains__(self, k: int) -> bool:
+        return k < self.low or k in self.rest
+
+    def first_missing(self, a: int, b: int) -> int:
+        """The first position in [a, b) not delivered, or b."""
+        t = max(a, self.low)
+        while t < b and t in self.rest:
+            t += 1
+        return min(t, b)
+
+
+def _around_skipped(src: Iterator, stage: Callable[[Iterator], Iterator]) -> Iterator:
+    """Apply the one-in, one-out ``stage`` to the real items of ``src``; placeholders go around
+    it, in order."""
+    box: list = []
+
+    def feed() -> Iterator:
+        while True:
+            yield box.pop()
+
+    out = stage(feed())
+    for item in src:
+        if isinstance(item, _Skipped):
+            yield item
+        else:
+            box.append(item)
+            yield next(out)
+
+
+def _collate_unless_skipped(collate: Callable | None) -> Callable:
+    """A collation function that turns a batch of placeholders into one placeholder."""
+
+    def fn(batch: list) -> Any:
+        skipped = [b for b in batch if isinstance(b, _Skipped)]
+        if not skipped:
+            return collate(batch) if collate is not None else batch
+        if len(skipped) != len(batch):
+            raise RuntimeError("index-based resume mixed delivered and new samples in a batch "
+                               "(a bug in ember)")
+        return _Skipped(tuple(k for b in skipped for k in b.positions))
+
+    return fn
+
+
+def _seekable_index(url: str, options: UrlOptions) -> dict:
+    """The index of a local uncompressed shard, if it has a current one; else raises _NoIndex."""
+    path = local_path(url)
+    if path is None:
+        raise _NoIndex  # remote shards: nothing to seek in, and their indexes cannot be checked
+    try:
+        index = read_index(url, options)  # None (with a warning) when stale
+    except (ShardError, ValueError) as exc:
+        warnings.warn(f"ignoring the index of {url}: {exc}")
+        raise _NoIndex from None
+    if index is None:
+        raise _NoIndex
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(2)
+    except OSError:
+        raise _NoIndex from None
+    if magic == b"\x1f\x8b":
+        raise _NoIndex  # gzip: index offsets are in the uncompressed stream
+    return index
+
+
+class _IndexedLayout:
+    """``samples(urls)`` yields one numbered placeholder per sample of each shard, counted from
+    the indexes, and records where each shard's samples fall in the stream."""
+
+    def __init__(self, options: UrlOptions):
+        self.options = options
+        self.indexes: dict[str, dict] = {}
+        self.visits: list[tuple[str, int, int]] = []  # (url, first position, sample count)
+        self.end = 0
+
+    def samples(self, urls: list[str]) -> Iterator[_Skipped]:
+        for url in urls:
+            if url not in self.indexes:
+                self.indexes[url] = _seekable_index(url, self.options)
+            k, n = self.end, len(self.indexes[url]["samples"])
+            self.visits.append((url, k, n))
+            self.end = k + n
+            for j in range(k, k + n):
+                yield _Skipped((j,))
+
+    def mismatch(self, delivered: _Delivered) -> str | None:
+        """Why an index relied on does not match its shard, or None. Checked: the last sample of
+        every shard with delivered samples (its count is relied on) and the first undelivered
+        sample of a partly delivered shard (where reading starts)."""
+        spots: dict[str, set[int]] = {}
+        for url, k, n in self.visits:
+            if k >= delivered.end or n == 0:
+                continue
+            first = delivered.first_missing(k, k + n) - k
+            spots.setdefault(url, set()).update({n - 1, first} if 0 < first < n else {n - 1})
+        for url, js in spots.items():
+            reason = index_mismatch(url, self.indexes[url], sorted(js))
+            if reason is not None:
+                return f"index {index_path(url)} does not match shard {url}: {reason}"
+        return None
+
+
+class _SkippingReader:
+    """``samples(urls)`` for a resumed stream: placeholders in the delivered positions (a shard
+    with only delivered samples is not opened; one partly delivered is entered at its first
+    undelivered sample through its index), the shards' samples everywhere else."""
+
+    def __init__(self, layout: _IndexedLayout, delivered: _Delivered, options: UrlOptions,
+                 policy: _ErrorPolicy):
+        self.layout = layout
+        self.delivered = delivered
+        self.options = options
+        self.policy = policy
+        self.pos = 0
+
+    def samples(self, urls: list[str]) -> Iterator:
+        for url in urls:
+            k = self.pos
+            if k >= self.delivered.end:  # past everything delivered: read as usual
+                try:
+                    yield from iter_shard(url, self.options)
+                except ShardError as exc:
+                    self.policy(exc)
+                continue
+            spans = self.layout.indexes[url]["samples"]
+            self.pos = k + len(spans)
+            yield from self._partly_delivered(url, spans, k)
+
+    def _partly_delivered(self, url: str, spans: list, k: int) -> Iterator:
+        d, n = self.delivered, len(spans)
+        first = d.first_missing(k, k + n) - k
+        for j in range(k, k + first):
+            yield _Skipped((j,))
+        if first == n:
+            return
+        j = first
+        try:
+            for sample in _shard_from(url, spans[j][1]) if j else iter_shard(url, self.options):
+                if k + j < d.end:  # positions still matter: the shard must match its index
+                    if j >= n or sample["__key__"] != spans[j][0]:
+                        indexed = repr(spans[j][0]) if j < n else "there is none"
+                        raise ShardError(f"sample {j} is {sample['__key__']!r}, its index says "
+                                         f"{indexed}: the shard changed while resuming", url)
+                    yield _Skipped((k + j,)) if k + j in d else sample
+                else:
+                    yield sample
+                j += 1
+            if j < n and k + j < d.end:
+                raise ShardError(f"shard has {j} samples, its index says {n}: it changed while "
+                                 "resuming", url)
+        except ShardError as exc:
+            if k + j < d.end:
+                raise  # skipping the rest would shift every later delivered position
+            self.policy(exc)
 
 
 class ShardLoader:

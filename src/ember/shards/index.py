@@ -3,13 +3,15 @@ re-sharding without decoding.
 
 An index is a small JSON file next to the shard (``shard.tar`` -> ``shard.tar.idx``) holding the
 shard's size and, per sample, its key and the byte span [start, end) of its members in the
-(uncompressed) tar stream.
+(uncompressed) tar stream. An index whose size no longer matches its shard is stale and ignored;
+:func:`index_mismatch` checks single spans against the shard before anything relies on them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ember.shards.errors import ShardError
@@ -17,8 +19,8 @@ from ember.shards.format import group_samples, split_name
 from ember.shards.tar import iter_members, memory_source, open_tar_source, scan_members
 from ember.shards.urls import UrlOptions, local_path, open_url
 
-__all__ = ["build_index", "write_index", "read_index", "sample_count", "read_sample",
-           "INDEX_SUFFIX"]
+__all__ = ["build_index", "make_index", "write_index", "read_index", "index_path",
+           "index_mismatch", "sample_count", "read_sample", "INDEX_SUFFIX"]
 
 INDEX_SUFFIX = ".idx"
 _FORMAT = "ember-shard-index"
@@ -49,15 +51,17 @@ def _spans(url: str, options: UrlOptions | None) -> Iterator[tuple[str, int, int
         stream.close()
 
 
+def make_index(url: str, samples: list[list], size: int | None) -> dict:
+    """The index of shard ``url`` from its ``[key, start, end]`` spans and its size in bytes."""
+    return {"format": _FORMAT, "version": 1, "shard": Path(url).name, "size": size,
+            "samples": samples}
+
+
 def build_index(url: str, options: UrlOptions | None = None) -> dict:
     """Scan a shard and return its index (keys and byte spans of every sample)."""
     samples = [[k, s, e] for k, s, e in _spans(url, options)]
-    size = None
     path = local_path(url)
-    if path is not None:
-        size = path.stat().st_size
-    return {"format": _FORMAT, "version": 1, "shard": Path(url).name, "size": size,
-            "samples": samples}
+    return make_index(url, samples, path.stat().st_size if path is not None else None)
 
 
 def index_path(url: str) -> Path:
@@ -70,8 +74,8 @@ def index_path(url: str) -> Path:
 
 def write_index(url: str, options: UrlOptions | None = None) -> Path:
     """Build the index of a local shard and write it next to the shard."""
-    index = build_index(url, options)
     out = index_path(url)
+    index = build_index(url, options)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(index, separators=(",", ":")))
     tmp.replace(out)
@@ -79,15 +83,25 @@ def write_index(url: str, options: UrlOptions | None = None) -> Path:
 
 
 def read_index(url: str, options: UrlOptions | None = None) -> dict | None:
-    """The index of a shard if one exists (and matches a local shard's size), else None."""
+    """The index of a shard if one exists, else None.
+
+    The index of a local shard must match the shard's size; a stale one is ignored with a warning.
+    """
     try:
-        if local_path(url) is not None:
+        path = local_path(url)
+        if path is not None:
             p = index_path(url)
             if not p.exists():
                 return None
             index = json.loads(p.read_text())
-            if index.get("size") not in (None, local_path(url).stat().st_size):
-                return None  # stale: the shard changed after indexing
+            try:
+                size = path.stat().st_size
+            except OSError:
+                return None  # the shard itself is missing: reading it reports that
+            if index.get("size") not in (None, size):
+                warnings.warn(f"ignoring stale index {p}: the shard is {size} bytes, the index "
+                              f"was made for {index.get('size')} bytes")
+                return None
         else:
             stream = open_url(url + INDEX_SUFFIX, options)
             try:
@@ -99,6 +113,21 @@ def read_index(url: str, options: UrlOptions | None = None) -> dict | None:
     if index.get("format") != _FORMAT:
         raise ShardError("not an ember shard index", url + INDEX_SUFFIX)
     return index
+
+
+def index_mismatch(url: str, index: dict, positions: Iterable[int]) -> str | None:
+    """Why ``index`` does not describe the local shard ``url`` at the given sample positions, or
+    None if the sample at each position is where the index says and has the indexed key."""
+    spans = index["samples"]
+    for j in positions:
+        key, start, end = spans[j]
+        try:
+            found = read_sample(url, (start, end))["__key__"]
+        except (ShardError, OSError) as exc:
+            return f"sample {j} ({key!r}) is not at bytes [{start}, {end}): {exc}"
+        if found != key:
+            return f"sample {j} at byte {start} is {found!r}, the index says {key!r}"
+    return None
 
 
 def sample_count(url: str, options: UrlOptions | None = None) -> int:

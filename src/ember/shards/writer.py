@@ -26,6 +26,7 @@ from ember.shards.decode import (
     TEXT_EXTENSIONS,
 )
 from ember.shards.format import check_sample_names, member_name
+from ember.shards.index import INDEX_SUFFIX, make_index
 
 __all__ = ["TarWriter", "ShardWriter", "encode_field"]
 
@@ -284,11 +285,7 @@ class ShardWriter:
         path = self._path
         self.shards.append(path)
         if self.index:
-            from ember.shards.index import INDEX_SUFFIX
-
-            size = os.path.getsize(path)
-            idx = {"format": "ember-shard-index", "version": 1, "shard": Path(path).name,
-                   "size": size, "samples": tw.spans}
+            idx = make_index(path, tw.spans, os.path.getsize(path))
             Path(path + INDEX_SUFFIX).write_text(json.dumps(idx, separators=(",", ":")))
         if self.post is not None:
             self.post(path)
