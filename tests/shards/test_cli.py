@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import tarfile
+from pathlib import Path
+
+import pytest
 
 from ember.cli import main
-from ember.shards import iter_shard
+from ember.shards import TarWriter, iter_shard
 from ember.shards.urls import expand_urls
 
 
@@ -122,3 +125,132 @@ def test_index_writes_idx_files(shards, capsys):
 def test_shards_without_subcommand_prints_help(capsys):
     assert main(["shards"]) == 0
     assert "verify" in capsys.readouterr().out
+
+
+def test_cat_plain_lists_field_sizes(shards, capsys):
+    pattern, keys = shards
+    assert main(["shards", "cat", pattern, "-n", "12"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{keys[0]} bin=16 cls=1"
+    assert lines[11] == f"{keys[11]} bin=16 cls=2"  # stops after 12, across a shard boundary
+    assert len(lines) == 12
+
+
+@pytest.mark.parametrize("action", ["ls", "cat", "stats", "split", "merge", "shuffle", "index"])
+def test_missing_shard_is_a_one_line_error(shards, tmp_path, capsys, action):
+    pattern, _ = shards
+    missing = str(tmp_path / "missing.tar")
+    args = ["shards", action, missing]
+    if action in ("split", "merge", "shuffle"):
+        args += ["-o", str(tmp_path / "o-%02d.tar")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"ember shards {action}: error: shard {missing}")
+    assert "no such file" in err
+
+
+def test_verify_counts_a_missing_shard_as_corrupt(shards, tmp_path, capsys):
+    pattern, _ = shards
+    missing = str(tmp_path / "missing.tar")
+    assert main(["shards", "verify", pattern, missing, "-q"]) == 1
+    out = capsys.readouterr().out
+    assert f"CORRUPT shard {missing}: no such file" in out
+    assert "6 of 7 shards ok, 60 samples read, 1 corrupt" in out
+
+
+def test_verify_reports_indexes_that_no_longer_match(shards, capsys):
+    pattern, keys = shards
+    urls = expand_urls(pattern)
+    assert main(["shards", "index", pattern, "-q"]) == 0
+    assert main(["shards", "verify", pattern, "-q"]) == 0
+    # same size, other keys: only comparing the keys finds it
+    with TarWriter(urls[1]) as w:
+        for i in range(10):
+            w.write({"__key__": f"x{i + 10:05d}", "cls": i, "bin": b"z" * 16})
+    # another size: stale
+    with TarWriter(urls[2]) as w:
+        w.write({"__key__": "only", "cls": 1})
+    capsys.readouterr()
+    assert main(["shards", "verify", pattern, "-q"]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD INDEX shard {urls[1]}: index {urls[1]}.idx lists 10 samples" in out
+    assert f"BAD INDEX shard {urls[2]}: stale index {urls[2]}.idx" in out
+    assert "6 of 6 shards ok, 51 samples read, 0 corrupt, 2 with a bad index" in out
+
+
+def test_output_pattern_without_a_number_is_refused(shards, tmp_path, capsys):
+    pattern, _ = shards
+    out = tmp_path / "one.tar"
+    assert main(["shards", "split", pattern, "-q", "-o", str(out), "--maxcount", "4"]) == 2
+    assert "has no shard number" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_output_pattern_naming_an_input_is_refused(shards, tmp_path, capsys):
+    pattern, _ = shards
+    urls = expand_urls(pattern)
+    before = [Path(u).read_bytes() for u in urls]
+    # the inputs are s-000.tar ... s-005.tar; s-%03d.tar in the same folder would overwrite them
+    assert main(["shards", "merge", pattern, "-q", "-o", str(tmp_path / "s-%03d.tar")]) == 2
+    err = capsys.readouterr().err
+    assert f"names the input shard {urls[0]}" in err
+    assert [Path(u).read_bytes() for u in urls] == before
+    # a pattern of another width does not name them
+    assert main(["shards", "merge", pattern, "-q", "-o", str(tmp_path / "s-%04d.tar")]) == 0
+
+
+def test_global_shuffle_of_remote_shards_points_to_buffer(capsys):
+    assert main(["shards", "shuffle", "http://127.0.0.1:9/a.tar", "-q", "-o", "x-%02d.tar"]) == 2
+    err = capsys.readouterr().err
+    assert "needs local shards, not http://127.0.0.1:9/a.tar" in err and "--buffer" in err
+
+
+def test_index_of_a_remote_shard_is_refused(capsys):
+    assert main(["shards", "index", "http://127.0.0.1:9/a.tar", "-q"]) == 2
+    assert "local shards only" in capsys.readouterr().err
+
+
+def test_bad_numbers_are_refused(shards, tmp_path, capsys):
+    pattern, _ = shards
+    assert main(["shards", "cat", pattern, "-n", "-1"]) == 2
+    assert "-n must be >= 0" in capsys.readouterr().err
+    assert main(["shards", "split", pattern, "-q", "-o", str(tmp_path / "p-%02d.tar"),
+                 "--maxcount", "0"]) == 2
+    assert "maxcount >= 1" in capsys.readouterr().err
+    assert main(["shards", "shuffle", pattern, "-q", "-o", str(tmp_path / "p-%02d.tar"),
+                 "--buffer", "-3"]) == 2
+    assert "--buffer must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action", ["ls", "stats", "verify", "index", "split"])
+def test_long_work_shows_progress_unless_quiet(shards, tmp_path, capsys, action):
+    pattern, _ = shards
+    args = ["shards", action, pattern]
+    if action == "split":
+        args += ["-o", str(tmp_path / "p-%03d.tar")]
+    assert main(args) == 0
+    assert "6/6" in capsys.readouterr().err  # tqdm: 6 of 6 shards
+    if action == "split":
+        args[-1] = str(tmp_path / "q-%03d.tar")
+    assert main(args + ["-q"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_shuffle_shows_progress_per_sample(shards, tmp_path, capsys):
+    pattern, _ = shards
+    assert main(["shards", "shuffle", pattern, "-o", str(tmp_path / "x-%02d.tar")]) == 0
+    assert "60/60" in capsys.readouterr().err
+    assert main(["shards", "shuffle", pattern, "-o", str(tmp_path / "y-%02d.tar"),
+                 "--buffer", "8"]) == 0
+    assert "60sample" in capsys.readouterr().err.replace(" ", "")
+
+
+def test_pipe_urls_need_allow_pipe(shards, capsys):
+    pattern, _ = shards
+    url = f"pipe:cat {expand_urls(pattern)[0]}"
+    assert main(["shards", "stats", url, "-q", "--json"]) == 2
+    assert "allow_pipe" in capsys.readouterr().err
+    assert main(["shards", "stats", url, "-q", "--json", "--allow-pipe"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"]["samples"] == 10
+    assert main(["shards", "ls", url, "--allow-pipe", "-q"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"10\t{url}"

@@ -350,3 +350,20 @@ def test_every_image_extension_round_trips(tmp_path, ext):
     assert dec[ext].shape == (8, 10, 3) and dec[ext].dtype == np.uint8
     tolerance = 40 if ext in ("jpg", "jpeg", "webp") else 0  # lossy by default
     assert np.abs(dec[ext].astype(int) - img.astype(int)).max() <= tolerance
+
+
+@pytest.mark.parametrize("pattern, message", [("out.tar", "has no shard number"),
+                                              ("out-%q.tar", "bad shard pattern"),
+                                              ("out-{name}.tar", "bad shard pattern")])
+def test_shard_pattern_needs_a_shard_number(tmp_path, pattern, message):
+    with pytest.raises(ValueError, match=message):
+        ShardWriter(str(tmp_path / pattern))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shard_patterns_printf_and_format(tmp_path):
+    from ember.shards.writer import shard_path
+
+    assert shard_path("a-%06d.tar", 12) == "a-000012.tar"
+    assert shard_path("a-{:04d}.tar", 12) == "a-0012.tar"
+    assert shard_path("a-%d.tar", 1234567) == "a-1234567.tar"

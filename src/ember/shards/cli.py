@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import warnings
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
-from ember.shards.dataset import iter_shard
+from ember.shards.dataset import ShardDataset, iter_shard
 from ember.shards.errors import ShardError
-from ember.shards.index import build_index, read_sample, sample_count, write_index
-from ember.shards.urls import UrlOptions, expand_urls
-from ember.shards.writer import ShardWriter
+from ember.shards.index import (
+    build_index,
+    index_path,
+    read_index,
+    read_sample,
+    sample_count,
+    write_index,
+)
+from ember.shards.urls import UrlOptions, expand_urls, local_path
+from ember.shards.writer import ShardWriter, shard_path
 
 __all__ = ["register"]
 
@@ -21,12 +31,23 @@ def _urls(args) -> list[str]:
     return expand_urls(args.urls)
 
 
+def _options(args) -> UrlOptions:
+    return UrlOptions(allow_pipe=args.allow_pipe)
+
+
+def _progress(items, args, unit: str = "shard"):
+    """A tqdm progress bar on stderr (off with -q); closed by ``with`` so that it is finished
+    before any error message."""
+    return tqdm(items, disable=args.quiet, unit=unit, file=sys.stderr)
+
+
 def _ls(args) -> int:
     total = 0
-    for url in _urls(args):
-        n = sample_count(url)
-        total += n
-        print(f"{n}\t{url}")
+    with _progress(_urls(args), args) as bar:
+        for url in bar:
+            n = sample_count(url, _options(args))
+            total += n
+            print(f"{n}\t{url}")
     print(f"{total}\ttotal")
     return 0
 
@@ -36,37 +57,46 @@ def _text(v: bytes) -> str:
 
 
 def _cat(args) -> int:
+    if args.n is not None and args.n < 0:
+        raise ValueError(f"-n must be >= 0, got {args.n}")
     left = args.n
     for url in _urls(args):
-        for s in iter_shard(url, UrlOptions(allow_pipe=args.allow_pipe)):
-            if left is not None and left <= 0:
-                return 0
-            if left is not None:
-                left -= 1
-            fields = {k: (json.dumps(_text(v)) if args.values else len(v))
-                      for k, v in s.items() if k[:2] != "__"}
-            if args.json:
-                print(json.dumps({"__key__": s["__key__"], **fields}))
-            else:
-                print(s["__key__"], " ".join(f"{k}={v}" for k, v in fields.items()))
+        if left == 0:
+            break
+        samples = iter_shard(url, _options(args))
+        try:
+            for s in samples:
+                fields = {k: (json.dumps(_text(v)) if args.values else len(v))
+                          for k, v in s.items() if k[:2] != "__"}
+                if args.json:
+                    print(json.dumps({"__key__": s["__key__"], **fields}))
+                else:
+                    print(s["__key__"], " ".join(f"{k}={v}" for k, v in fields.items()))
+                if left is not None:
+                    left -= 1
+                    if left == 0:
+                        break
+        finally:
+            samples.close()
     return 0
 
 
 def _stats(args) -> int:
     rows, total = [], {"samples": 0, "bytes": 0, "extensions": {}}
-    for url in tqdm(_urls(args), disable=args.quiet):
-        n, size, exts = 0, 0, {}
-        for s in iter_shard(url):
-            n += 1
-            for k, v in s.items():
-                if k[:2] != "__":
-                    size += len(v)
-                    exts[k] = exts.get(k, 0) + 1
-        rows.append({"shard": url, "samples": n, "bytes": size, "extensions": exts})
-        total["samples"] += n
-        total["bytes"] += size
-        for k, c in exts.items():
-            total["extensions"][k] = total["extensions"].get(k, 0) + c
+    with _progress(_urls(args), args) as bar:
+        for url in bar:
+            n, size, exts = 0, 0, {}
+            for s in iter_shard(url, _options(args)):
+                n += 1
+                for k, v in s.items():
+                    if k[:2] != "__":
+                        size += len(v)
+                        exts[k] = exts.get(k, 0) + 1
+            rows.append({"shard": url, "samples": n, "bytes": size, "extensions": exts})
+            total["samples"] += n
+            total["bytes"] += size
+            for k, c in exts.items():
+                total["extensions"][k] = total["extensions"].get(k, 0) + c
     if args.json:
         print(json.dumps({"total": total, "shards": rows}))
     else:
@@ -75,57 +105,129 @@ def _stats(args) -> int:
     return 0
 
 
+def _index_problem(url: str, keys: list[str]) -> str | None:
+    """What is wrong with the index of a local shard whose samples have ``keys``, if anything."""
+    if local_path(url) is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a stale index is reported here instead
+            index = read_index(url)
+    except (ShardError, ValueError) as exc:
+        return f"unreadable index {index_path(url)}: {exc}"
+    if index is None:
+        return f"stale index {index_path(url)}" if index_path(url).exists() else None
+    indexed = [k for k, _, _ in index["samples"]]
+    if indexed != keys:
+        return (f"index {index_path(url)} lists {len(indexed)} samples that do not match the "
+                f"shard's {len(keys)}; rebuild it with `ember shards index`")
+    return None
+
+
 def _verify(args) -> int:
     urls = _urls(args)
-    bad = samples = 0
-    for url in tqdm(urls, disable=args.quiet):
-        try:
-            samples += sum(1 for _ in iter_shard(url))
-        except ShardError as exc:
-            bad += 1
-            print(f"CORRUPT {exc}")
-    print(f"{len(urls) - bad} of {len(urls)} shards ok, {samples} samples read, {bad} corrupt")
-    return 1 if bad else 0
+    bad = samples = bad_indexes = 0
+    with _progress(urls, args) as bar:
+        for url in bar:
+            try:
+                keys = [s["__key__"] for s in iter_shard(url, _options(args))]
+            except ShardError as exc:
+                bad += 1
+                print(f"CORRUPT {exc}")
+                continue
+            samples += len(keys)
+            problem = _index_problem(url, keys)
+            if problem is not None:
+                bad_indexes += 1
+                print(f"BAD INDEX shard {url}: {problem}")
+    print(f"{len(urls) - bad} of {len(urls)} shards ok, {samples} samples read, {bad} corrupt"
+          + (f", {bad_indexes} with a bad index" if bad_indexes else ""))
+    return 1 if bad or bad_indexes else 0
 
 
-def _reshard(args, order=None) -> int:
-    urls = _urls(args)
-    with ShardWriter(args.output, maxcount=args.maxcount, maxsize=args.maxsize,
-                     encode=False) as w:
-        if order is None:
-            for url in tqdm(urls, disable=args.quiet):
-                for s in iter_shard(url):
-                    w.write({k: v for k, v in s.items() if k != "__url__"})
-        else:
-            for url, span in tqdm(order, disable=args.quiet):
-                s = read_sample(url, span)
-                w.write({k: v for k, v in s.items() if k != "__url__"})
+def _check_output(pattern: str, urls: list[str]) -> None:
+    """Refuse an output pattern that names one of the input shards (it would be overwritten
+    while it may still have to be read)."""
+    probe = os.path.abspath(shard_path(pattern, 123456789))
+    prefix, sep, suffix = probe.partition("123456789")
+    if not sep:
+        return
+    for url in urls:
+        path = local_path(url)
+        if path is None:
+            continue
+        p = os.path.abspath(path)
+        if not (p.startswith(prefix) and p.endswith(suffix)
+                and len(p) > len(prefix) + len(suffix)):
+            continue
+        number = p[len(prefix) : len(p) - len(suffix)]
+        if number.isdigit() and os.path.abspath(shard_path(pattern, int(number))) == p:
+            raise ValueError(f"output pattern {pattern!r} names the input shard {url}; write "
+                             "the output somewhere else")
+
+
+def _writer(args) -> ShardWriter:
+    return ShardWriter(args.output, maxcount=args.maxcount, maxsize=args.maxsize, encode=False)
+
+
+def _write_all(args, urls: list[str], samples) -> int:
+    _check_output(args.output, urls)
+    with _writer(args) as w:
+        for s in samples:
+            w.write({k: v for k, v in s.items() if k != "__url__"})
     print(f"wrote {w.total} samples to {len(w.shards)} shards")
     return 0
 
 
-def _shuffle(args) -> int:
-    if args.buffer:
-        from ember.shards.dataset import ShardDataset
+def _reshard(args) -> int:
+    urls = _urls(args)
+    options = _options(args)
+    with _progress(urls, args) as bar:
+        return _write_all(args, urls, (s for url in bar for s in iter_shard(url, options)))
 
-        ds = ShardDataset(args.urls, seed=args.seed).shuffle(args.buffer)
-        with ShardWriter(args.output, maxcount=args.maxcount, maxsize=args.maxsize,
-                         encode=False) as w:
-            for s in ds:
-                w.write({k: v for k, v in s.items() if k != "__url__"})
-        print(f"wrote {w.total} samples to {len(w.shards)} shards")
-        return 0
-    spans = [(u, (s, e)) for u in _urls(args) for _, s, e in build_index(u)["samples"]]
+
+def _shuffle(args) -> int:
+    urls = _urls(args)
+    if args.buffer < 0:
+        raise ValueError(f"--buffer must be >= 0, got {args.buffer}")
+    if args.buffer:
+        ds = ShardDataset(urls, seed=args.seed, allow_pipe=args.allow_pipe).shuffle(args.buffer)
+        with _progress(ds, args, unit="sample") as bar:
+            return _write_all(args, urls, bar)
+    remote = [u for u in urls if local_path(u) is None]
+    if remote:
+        raise ValueError(f"a global shuffle reads samples by byte offset, so it needs local "
+                         f"shards, not {remote[0]}; use --buffer N to shuffle through a buffer")
+    with _progress(urls, args) as bar:
+        spans = [(u, (s, e)) for u in bar for _, s, e in build_index(u)["samples"]]
     g = torch.Generator().manual_seed(args.seed)
     order = [spans[i] for i in torch.randperm(len(spans), generator=g).tolist()]
-    return _reshard(args, order)
+    with _progress(order, args, unit="sample") as bar:
+        return _write_all(args, urls, (read_sample(u, span) for u, span in bar))
 
 
 def _index(args) -> int:
-    for url in tqdm(_urls(args), disable=args.quiet):
-        path = write_index(url)
-        print(f"{path} {sample_count(url)} samples")
+    with _progress(_urls(args), args) as bar:
+        for url in bar:
+            path = write_index(url, _options(args))
+            with open(path) as f:
+                n = len(json.load(f)["samples"])
+            print(f"{path} {n} samples")
     return 0
+
+
+def _guarded(name: str, fn: Callable) -> Callable:
+    """Run ``fn(args)``, turning bad input (a shard error, a bad argument) into a one-line
+    message and exit status 2 instead of a traceback."""
+
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except (ShardError, ValueError, OSError, ImportError) as exc:
+            print(f"ember shards {name}: error: {exc}", file=sys.stderr)
+            return 2
+
+    return run
 
 
 def register(subparsers) -> None:
@@ -133,29 +235,34 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("shards", help="inspect and re-shard WebDataset tar shards")
     p.set_defaults(func=lambda args: p.print_help() or 0)
     sub = p.add_subparsers(dest="shards_command", metavar="ACTION")
-    for name, fn, hlp in [("ls", _ls, "list shard URLs"), ("cat", _cat, "print samples"),
+    for name, fn, hlp in [("ls", _ls, "sample count of every shard (from .idx files if present)"),
+                          ("cat", _cat, "print samples"),
                           ("stats", _stats, "samples, bytes, extensions per shard"),
-                          ("verify", _verify, "parse every shard, report corrupt ones"),
+                          ("verify", _verify, "parse every shard, report corrupt ones and .idx "
+                           "files that no longer match"),
                           ("split", _reshard, "re-shard into smaller shards"),
                           ("merge", _reshard, "re-shard into fewer shards"),
-                          ("shuffle", _shuffle, "globally shuffle samples into new shards"),
-                          ("index", _index, "write .idx files")]:
+                          ("shuffle", _shuffle, "shuffle samples into new shards"),
+                          ("index", _index, "write .idx files next to local shards")]:
         q = sub.add_parser(name, help=hlp)
-        q.add_argument("urls", nargs="+")
+        q.add_argument("urls", nargs="+", help="shard paths or URLs; brace patterns expand")
         q.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
         if name in ("cat", "stats"):
             q.add_argument("--json", action="store_true")
         if name == "cat":
             q.add_argument("-n", type=int, default=None, help="at most N samples")
             q.add_argument("--values", action="store_true", help="print values, not sizes")
-        q.add_argument("--allow-pipe", action="store_true")
+        q.add_argument("--allow-pipe", action="store_true", help="allow pipe:CMD URLs")
         if name in ("split", "merge", "shuffle"):
             q.add_argument("-o", "--output", required=True, help="pattern, e.g. out-%%06d.tar")
-            q.add_argument("--maxcount", type=int, default=100_000)
-            q.add_argument("--maxsize", type=float, default=3e9)
+            q.add_argument("--maxcount", type=int, default=100_000, help="samples per shard")
+            q.add_argument("--maxsize", type=float, default=3e9, help="bytes per shard")
+        if name == "shuffle":
             q.add_argument("--seed", type=int, default=0)
-            q.add_argument("--buffer", type=int, default=0, help="shuffle: buffer (0: global)")
-        q.set_defaults(func=fn)
+            q.add_argument("--buffer", type=int, default=0,
+                           help="shuffle through a buffer of N samples (any URLs); 0: a global "
+                           "shuffle (local shards)")
+        q.set_defaults(func=_guarded(name, fn))
 
 
 if __name__ == "__main__":

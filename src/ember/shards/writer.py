@@ -28,7 +28,7 @@ from ember.shards.decode import (
 from ember.shards.format import check_sample_names, member_name
 from ember.shards.index import INDEX_SUFFIX, make_index
 
-__all__ = ["TarWriter", "ShardWriter", "encode_field"]
+__all__ = ["TarWriter", "ShardWriter", "encode_field", "shard_path"]
 
 _PIL_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "ppm": "PPM", "pgm": "PPM",
                 "pbm": "PPM", "pnm": "PPM", "webp": "WEBP", "tif": "TIFF", "tiff": "TIFF",
@@ -237,6 +237,16 @@ class TarWriter:
         self.close()
 
 
+def shard_path(pattern: str, n: int) -> str:
+    """The name of shard ``n`` for a printf-style (``"out-%06d.tar"``) or ``str.format``
+    (``"out-{:06d}.tar"``) pattern."""
+    try:
+        return pattern % n if "%" in pattern else pattern.format(n)
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ValueError(f"bad shard pattern {pattern!r} ({exc}); use e.g. 'out-%06d.tar' or "
+                         "'out-{:06d}.tar'") from None
+
+
 class ShardWriter:
     """Write samples into numbered shards, starting a new one after ``maxcount`` samples or
     before exceeding ``maxsize`` bytes.
@@ -252,6 +262,9 @@ class ShardWriter:
                  index: bool = False, mtime: int = 0, encode: bool = True):
         if maxcount < 1 or maxsize < 1:
             raise ValueError(f"expected maxcount >= 1 and maxsize >= 1, got {maxcount}, {maxsize}")
+        if shard_path(pattern, 0) == shard_path(pattern, 1):
+            raise ValueError(f"shard pattern {pattern!r} has no shard number, so every shard would "
+                             "get the same name; use e.g. 'out-%06d.tar' or 'out-{:06d}.tar'")
         self.pattern = pattern
         self.maxcount = maxcount
         self.maxsize = maxsize
@@ -265,11 +278,8 @@ class ShardWriter:
         self._tw: TarWriter | None = None
         self._path: str | None = None
 
-    def _name(self, n: int) -> str:
-        return self.pattern % n if "%" in self.pattern else self.pattern.format(n)
-
     def _open(self) -> None:
-        self._path = self._name(self.shard)
+        self._path = shard_path(self.pattern, self.shard)
         self.shard += 1
         Path(self._path).parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self._path + ".writing"
