@@ -343,7 +343,13 @@ class NativeSampler:
             np.log(u, out=u)
             np.divide(u, denom, out=u)
             np.ceil(u, out=u)
-            np.minimum(u, limit, out=u)
+            if out.dtype == torch.int64:  # float(2**63 - 1) is 2**63, which has no int64
+                big = u >= 2.0**63
+                np.minimum(u, 2.0**63 - 1024, out=u)  # the largest float64 below 2**63
+                u = u.astype(np.int64)
+                u[big] = np.iinfo(np.int64).max
+            else:
+                np.minimum(u, limit, out=u)
             sink.write(lo, hi, u)
 
         _drive(draw, n, 1, np.uint64, body)
