@@ -8,7 +8,8 @@ to within the stated ulp bounds where ``log``/``sin``/``cos``/``tan``/``exp`` ar
 docs/csprng-stream.md, "CUDA"). ``randperm``, ``multinomial`` and ``poisson`` stay on the CPU path.
 
 :func:`triton_fill_` runs the same kernels on CPU tensors under Triton's interpreter, for tests.
-The AES-128 key schedule and T-tables are computed here on the host.
+:func:`aes_crypt_` is AES-128 ECB/CTR over tensor data for ``ember.csprng.crypt`` on CUDA tensors.
+The AES-128 key schedules and T-tables (encryption and decryption) are computed here on the host.
 """
 
 from __future__ import annotations
@@ -93,6 +94,48 @@ def aes_tables() -> np.ndarray:
     t0 = [(_gf_mul(s, 2) << 24) | (s << 16) | (s << 8) | _gf_mul(s, 3) for s in sbox]
     tabs = [t0] + [[((v >> r) | (v << (32 - r))) & 0xFFFFFFFF for v in t0] for r in (8, 16, 24)]
     return np.array([v for t in tabs for v in t] + list(sbox), dtype=np.uint32)
+
+
+@lru_cache(maxsize=1)
+def aes_inverse_sbox() -> tuple[int, ...]:
+    inv = [0] * 256
+    for x, y in enumerate(aes_sbox()):
+        inv[y] = x
+    return tuple(inv)
+
+
+def _inv_mix_column(w: int) -> int:
+    """InvMixColumns of one big-endian column word (FIPS-197 5.3.3)."""
+    b = w.to_bytes(4, "big")
+    rows = [(14, 11, 13, 9), (9, 14, 11, 13), (13, 9, 14, 11), (11, 13, 9, 14)]
+    out = bytes(_gf_mul(b[0], r[0]) ^ _gf_mul(b[1], r[1]) ^ _gf_mul(b[2], r[2]) ^ _gf_mul(b[3], r[3])
+                for r in rows)
+    return int.from_bytes(out, "big")
+
+
+@lru_cache(maxsize=1)
+def aes_inverse_tables() -> np.ndarray:
+    """Td0..Td3 (decryption T-tables, big-endian columns) followed by the inverse S-box."""
+    inv = aes_inverse_sbox()
+    t0 = [(_gf_mul(s, 14) << 24) | (_gf_mul(s, 9) << 16) | (_gf_mul(s, 13) << 8) | _gf_mul(s, 11)
+          for s in inv]
+    tabs = [t0] + [[((v >> r) | (v << (32 - r))) & 0xFFFFFFFF for v in t0] for r in (8, 16, 24)]
+    return np.array([v for t in tabs for v in t] + list(inv), dtype=np.uint32)
+
+
+def aes_decrypt_table(key: bytes) -> np.ndarray:
+    """The int32 table of :func:`~ember.csprng.triton_kernels.crypt_kernel`'s ECB decryption.
+
+    Round keys of the equivalent inverse cipher: the encryption round keys in reverse round order,
+    InvMixColumns applied to rounds 1..9, the last round's words byte-swapped (little-endian).
+    """
+    rk = aes_round_keys(key)
+    dk: list[int] = []
+    for r in range(11):
+        words = rk[4 * (10 - r):4 * (10 - r) + 4]
+        dk += [_inv_mix_column(w) for w in words] if 0 < r < 10 else words
+    dk = dk[:40] + [_bswap32(v) for v in dk[40:]]
+    return np.concatenate([aes_inverse_tables(), np.array(dk, dtype=np.uint32)]).view(np.int32)
 
 
 def _bswap32(v: int) -> int:
@@ -333,8 +376,10 @@ def _geometric(f: _Fill) -> None:
     if prob == 1.0:
         f.flat.fill_(1)
         return
+    # the cap: the dtype's maximum for integers; int64's (2**63 - 1) is applied as an integer
     limit = math.inf if f.dtype.is_floating_point else float(torch.iinfo(f.dtype).max)
-    f.run(start, f.n * 8, _Launch(f.k.GEOMETRIC, 8, 52, True, [math.log1p(-prob), limit], []))
+    f.run(start, f.n * 8, _Launch(f.k.GEOMETRIC, 8, 52, True, [math.log1p(-prob), limit], [],
+                                  flag=f.dtype == torch.int64))
 
 
 def _random(f: _Fill) -> None:
@@ -355,8 +400,7 @@ def _random_range(f: _Fill) -> None:
         return
     thresh = (1 << (8 * wb)) % r
     spec = _Launch(f.k.INTEGER, wb, 0, False, [], [_i64(r), _i64(thresh), _i64(low)])
-    expected = f.n * thresh / 2.0 ** (8 * wb)
-    cap = int(expected + 8 * math.sqrt(expected) + 64)
+    cap = _reject_capacity(f.n, thresh, wb)
     while True:
         cnt = torch.zeros(1, dtype=torch.int32, device=f.out.device)
         pos = torch.empty(cap, dtype=torch.int64, device=f.out.device)
@@ -368,6 +412,13 @@ def _random_range(f: _Fill) -> None:
     if count:
         positions = torch.sort(pos[:count]).values.cpu().numpy()
         _refill(f.stream, start, positions, r, low, wb, f.flat)
+
+
+def _reject_capacity(n: int, thresh: int, wb: int) -> int:
+    """Room for rejected positions: the expected count plus 8 standard deviations (a kernel that
+    finds more runs again with room for all of them)."""
+    expected = n * thresh / 2.0 ** (8 * wb)
+    return int(expected + 8 * math.sqrt(expected) + 64)
 
 
 def _refill(stream: BlockStream, start: int, positions: np.ndarray, r: int, low: int, wb: int,
@@ -429,6 +480,44 @@ _FILLS = {
     "random_range_": _random_range,
     "bernoulli_": _bernoulli,
 }
+
+
+# ---------------------------------------------------------------------------- encrypt / decrypt
+@lru_cache(maxsize=32)
+def _crypt_table(key: bytes, decrypt: bool, device: torch.device) -> torch.Tensor:
+    table = aes_decrypt_table(key) if decrypt else cipher_table("aes128", key)
+    return torch.from_numpy(table).to(device)
+
+
+def aes_crypt_(src: torch.Tensor, dst: torch.Tensor, key: bytes, mode: str, inverse: bool,
+               interpret: bool, first_block: int = 0) -> None:
+    """AES-128 over whole 16-byte blocks, on ``src``'s device: ``dst = E(src)`` (int32 words).
+
+    ``mode`` is ``"ecb"`` (``inverse`` selects the decryption) or ``"ctr"`` (torchcsprng's counter
+    block ``LE64(first_block + j) || 0^64`` for block ``j``; encryption and decryption are the same
+    XOR). ``src`` and ``dst`` are contiguous int32 tensors of ``4 * nblocks`` words, which may be
+    the same tensor. ``interpret`` runs Triton's interpreter (CPU tensors, for tests).
+    """
+    if src.dtype != torch.int32 or dst.dtype != torch.int32 or src.shape != dst.shape:
+        raise ValueError("aes_crypt_: src and dst must be int32 tensors of the same shape")
+    if src.device != dst.device or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("aes_crypt_: src and dst must be contiguous and on one device")
+    if src.numel() % 4:
+        raise ValueError("aes_crypt_: expected whole 16-byte blocks")
+    nblocks = src.numel() // 4
+    if nblocks == 0:
+        return
+    if not (first_block >= 0 and first_block + nblocks <= 1 << 64):
+        raise ValueError("aes_crypt_: CTR block indices must stay below 2**64")
+    k = kernels(interpret)
+    decrypt = mode == "ecb" and inverse
+    table = _crypt_table(key, decrypt, src.device)
+    code = {"ecb": k.ECB_DECRYPT if decrypt else k.ECB_ENCRYPT, "ctr": k.CTR}[mode]
+    block = 256
+    extra: dict[str, Any] = {} if interpret else {"enable_fp_fusion": False}
+    k.crypt_kernel[(-(-nblocks // block),)](
+        src, dst, table, nblocks, first_block & 0xFFFFFFFF, first_block >> 32, MODE=_code(code),
+        BLOCK=block, **extra)
 
 
 # ---------------------------------------------------------------------------- registration

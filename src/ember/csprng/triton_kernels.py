@@ -8,7 +8,16 @@ Rejected integer positions (Lemire) are appended to a small list that the host r
 This module imports triton; import it only through :mod:`ember.csprng.cuda_backend`. The host side
 (round keys, tables, parameters) lives there too. When triton's interpreter is active at import
 (``TRITON_INTERPRET=1``), the transcendental functions are ``tl.log``/``tl.sin``/... (NumPy in the
-interpreter) and ``tan`` is ``sin / cos``; compiled, they are CUDA libdevice's accurate versions.
+interpreter; ``tan`` calls ``np.tan`` directly); compiled, they are CUDA libdevice's accurate versions.
+
+Float32 outputs evaluate ``log``, ``exp``, ``sin``, ``cos`` and ``tan`` in float64 and round the
+result to float32 (every other step is float32 arithmetic, as in docs/csprng-stream.md): a float32
+function correctly rounded except in about one case in 2^28. So the compiled kernel and the
+interpreter agree with each other, and their distance from the CPU path is NumPy's float32 error,
+which the tests measure under the interpreter (docs/csprng-stream.md, "CUDA").
+
+:func:`crypt_kernel` is AES-128 over data blocks (ECB encrypt/decrypt, torchcsprng's CTR), for
+``ember.csprng.crypt`` on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -30,7 +39,11 @@ INTEGER = tl.constexpr(6)
 BERNOULLI = tl.constexpr(7)
 AES128 = tl.constexpr(0)
 CHACHA20 = tl.constexpr(1)
-# table layout (int32): T0..T3 (4 x 256), S-box (256), round keys (44)
+ECB_ENCRYPT = tl.constexpr(0)
+ECB_DECRYPT = tl.constexpr(1)
+CTR = tl.constexpr(2)
+# table layout (int32): T0..T3 (4 x 256), S-box (256), round keys (44); for decryption the inverse
+# tables, the inverse S-box and the equivalent-inverse-cipher round keys in the same places
 SBOX_OFFSET = tl.constexpr(1024)
 ROUND_KEY_OFFSET = tl.constexpr(1280)
 
@@ -51,10 +64,17 @@ if INTERPRETED:
     def _cos(x):
         return tl.cos(x)
 
-    @triton.jit
-    def _tan(x):
-        # the interpreter has no tan; this differs from NumPy's tan by a few ulp (measured in tests)
-        return tl.sin(x) / tl.cos(x)
+    try:
+        import numpy as _np
+        from triton.runtime.interpreter import TensorHandle as _TensorHandle
+
+        def _tan(x):
+            # the interpreter has no tan; the kernel body is plain Python here, so call NumPy's
+            return tl.tensor(_TensorHandle(_np.tan(x.handle.data), x.handle.dtype.scalar), x.type)
+    except ImportError:  # a triton without this interpreter internal: tan as sin / cos
+        @triton.jit
+        def _tan(x):
+            return tl.sin(x) / tl.cos(x)
 else:
     from triton.language.extra import libdevice
 
@@ -122,13 +142,12 @@ def _aes_last(tab_ptr, a, b, c, d, rk_le):
 
 
 @triton.jit
-def _aes_block(tab_ptr, i0, i1, i2, i3):
-    """AES-128_K(BE128(i)) as four little-endian uint32 words (i0 the lowest counter word)."""
-    # big-endian state columns: column 0 holds the most significant counter word
-    s0 = i3 ^ _rk(tab_ptr, 0)
-    s1 = i2 ^ _rk(tab_ptr, 1)
-    s2 = i1 ^ _rk(tab_ptr, 2)
-    s3 = i0 ^ _rk(tab_ptr, 3)
+def _aes_encrypt(tab_ptr, s0, s1, s2, s3):
+    """AES-128 of the block whose big-endian columns are s0..s3; output as little-endian words."""
+    s0 = s0 ^ _rk(tab_ptr, 0)
+    s1 = s1 ^ _rk(tab_ptr, 1)
+    s2 = s2 ^ _rk(tab_ptr, 2)
+    s3 = s3 ^ _rk(tab_ptr, 3)
     for r in tl.static_range(1, 10):
         t0 = _aes_round(tab_ptr, s0, s1, s2, s3, _rk(tab_ptr, 4 * r))
         t1 = _aes_round(tab_ptr, s1, s2, s3, s0, _rk(tab_ptr, 4 * r + 1))
@@ -140,6 +159,39 @@ def _aes_block(tab_ptr, i0, i1, i2, i3):
     o2 = _aes_last(tab_ptr, s2, s3, s0, s1, _rk(tab_ptr, 42))
     o3 = _aes_last(tab_ptr, s3, s0, s1, s2, _rk(tab_ptr, 43))
     return o0, o1, o2, o3
+
+
+@triton.jit
+def _aes_decrypt(tab_ptr, s0, s1, s2, s3):
+    """Inverse AES-128 (equivalent inverse cipher, FIPS-197 5.3.5) with the decryption table."""
+    s0 = s0 ^ _rk(tab_ptr, 0)
+    s1 = s1 ^ _rk(tab_ptr, 1)
+    s2 = s2 ^ _rk(tab_ptr, 2)
+    s3 = s3 ^ _rk(tab_ptr, 3)
+    for r in tl.static_range(1, 10):
+        t0 = _aes_round(tab_ptr, s0, s3, s2, s1, _rk(tab_ptr, 4 * r))
+        t1 = _aes_round(tab_ptr, s1, s0, s3, s2, _rk(tab_ptr, 4 * r + 1))
+        t2 = _aes_round(tab_ptr, s2, s1, s0, s3, _rk(tab_ptr, 4 * r + 2))
+        t3 = _aes_round(tab_ptr, s3, s2, s1, s0, _rk(tab_ptr, 4 * r + 3))
+        s0, s1, s2, s3 = t0, t1, t2, t3
+    o0 = _aes_last(tab_ptr, s0, s3, s2, s1, _rk(tab_ptr, 40))
+    o1 = _aes_last(tab_ptr, s1, s0, s3, s2, _rk(tab_ptr, 41))
+    o2 = _aes_last(tab_ptr, s2, s1, s0, s3, _rk(tab_ptr, 42))
+    o3 = _aes_last(tab_ptr, s3, s2, s1, s0, _rk(tab_ptr, 43))
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _aes_block(tab_ptr, i0, i1, i2, i3):
+    """AES-128_K(BE128(i)) as four little-endian uint32 words (i0 the lowest counter word)."""
+    # big-endian state columns: column 0 holds the most significant counter word
+    return _aes_encrypt(tab_ptr, i3, i2, i1, i0)
+
+
+@triton.jit
+def _bswap(x):
+    """Byte-reverse uint32 words (little-endian data word <-> big-endian AES column)."""
+    return (x << 24) | ((x & 0xFF00) << 8) | ((x >> 8) & 0xFF00) | (x >> 24)
 
 
 @triton.jit
@@ -212,6 +264,52 @@ def _sqrt(x, F64: tl.constexpr):
         return tl.sqrt(x)
     else:
         return tl.sqrt_rn(x)
+
+
+@triton.jit
+def _log_t(x, F64: tl.constexpr):
+    """log in the compute type: float64 as is; float32 through float64, rounded once."""
+    if F64:
+        y = _log(x)
+    else:
+        y = _log(x.to(tl.float64)).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _exp_t(x, F64: tl.constexpr):
+    if F64:
+        y = _exp(x)
+    else:
+        y = _exp(x.to(tl.float64)).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _sin_t(x, F64: tl.constexpr):
+    if F64:
+        y = _sin(x)
+    else:
+        y = _sin(x.to(tl.float64)).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _cos_t(x, F64: tl.constexpr):
+    if F64:
+        y = _cos(x)
+    else:
+        y = _cos(x.to(tl.float64)).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _tan_t(x, F64: tl.constexpr):
+    if F64:
+        y = _tan(x)
+    else:
+        y = _tan(x.to(tl.float64)).to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -293,16 +391,21 @@ def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
         _store_value(out_ptr, e, y, ok & (e < n), VIA_F32)
     elif OP == EXPONENTIAL:
         u = (_to_float(_mask(w, MBITS), F64) + 1.0) * _param(fp_ptr, 0, F64)
-        _store(out_ptr, e, _log(u) * _param(fp_ptr, 1, F64), ok, n, VIA_F32)
+        _store(out_ptr, e, _log_t(u, F64) * _param(fp_ptr, 1, F64), ok, n, VIA_F32)
     elif OP == CAUCHY:
         u = (_to_float(_mask(w, MBITS), F64) + 0.5) * _param(fp_ptr, 0, F64)
-        t = _tan((u - 0.5) * _param(fp_ptr, 1, F64))
+        t = _tan_t((u - 0.5) * _param(fp_ptr, 1, F64), F64)
         _store(out_ptr, e, t * _param(fp_ptr, 2, F64) + _param(fp_ptr, 3, F64), ok, n, VIA_F32)
     elif OP == GEOMETRIC:
         u = ((w & ((1 << 52) - 1)).to(tl.float64) + 0.5) * (2.0 ** -52)
         g = tl.ceil(_log(u) / tl.load(fp_ptr + 0))  # float64 division is IEEE (div.rn.f64)
-        g = tl.minimum(g, tl.load(fp_ptr + 1))
-        _store(out_ptr, e, g, ok, n, VIA_F32)
+        if FLAG:  # int64 output: 2**63 has no int64 (nor has 2**63 - 1 a float64): cap by hand
+            gi = tl.minimum(g, 9223372036854774784.0).to(tl.int64)  # 2**63 - 1024 converts
+            gi = tl.where(g >= 9223372036854775808.0, 9223372036854775807, gi)
+            _store(out_ptr, e, gi, ok, n, VIA_F32)
+        else:
+            g = tl.minimum(g, tl.load(fp_ptr + 1))
+            _store(out_ptr, e, g, ok, n, VIA_F32)
     elif OP == INTEGER:
         # FLAG: power-of-two range (mask); else Lemire with rejection of low < 2**W mod r
         r = _iparam(ip_ptr, 0)
@@ -338,16 +441,16 @@ def _normal_pair(out_ptr, fp_ptr, n, e, wa, wb, ok, MBITS: tl.constexpr, F64: tl
                  AFFINE: tl.constexpr, LOG: tl.constexpr, BF16: tl.constexpr):
     """Elements e, e + 1 (Box-Muller) from words wa (radius) and wb (angle)."""
     u = _to_float(_mask(wa, MBITS) + 1, F64) * _param(fp_ptr, 0, F64)
-    r = _sqrt(_log(u) * -2.0, F64)
+    r = _sqrt(_log_t(u, F64) * -2.0, F64)
     t = _to_float(_mask(wb, MBITS), F64) * _param(fp_ptr, 1, F64)
-    z0 = r * _cos(t)
-    z1 = r * _sin(t)
+    z0 = r * _cos_t(t, F64)
+    z1 = r * _sin_t(t, F64)
     if AFFINE:
         z0 = z0 * _param(fp_ptr, 2, F64) + _param(fp_ptr, 3, F64)
         z1 = z1 * _param(fp_ptr, 2, F64) + _param(fp_ptr, 3, F64)
     if LOG:
-        z0 = _exp(z0)
-        z1 = _exp(z1)
+        z0 = _exp_t(z0, F64)
+        z1 = _exp_t(z1, F64)
     _store(out_ptr, e, z0, ok, n, BF16)
     _store(out_ptr, e + 1, z1, ok, n, BF16)
 
@@ -433,3 +536,37 @@ def fill_kernel(out_ptr, tab_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr,
               x8, x9, x10, x11, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
         _emit(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 3, live & (d >= -3),
               x12, x13, x14, x15, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
+
+
+# ---------------------------------------------------------------------------- encrypt / decrypt
+@triton.jit(do_not_specialize=["nblocks", "f0", "f1"])
+def crypt_kernel(in_ptr, out_ptr, tab_ptr, nblocks, f0, f1, MODE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """AES-128 over ``nblocks`` 16-byte blocks of int32 words (little-endian data bytes).
+
+    ECB_ENCRYPT / ECB_DECRYPT transform each input block (the decryption needs the inverse table);
+    CTR XORs block ``j`` with AES(LE64(f + j) || 0^64), torchcsprng's counter block, where
+    ``f = f1 * 2**32 + f0`` is the first block's index (0 for a whole message).
+    """
+    lane = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = lane < nblocks
+    base = lane * 4
+    x0 = tl.load(in_ptr + base, mask=live, other=0).to(tl.uint32, bitcast=True)
+    x1 = tl.load(in_ptr + base + 1, mask=live, other=0).to(tl.uint32, bitcast=True)
+    x2 = tl.load(in_ptr + base + 2, mask=live, other=0).to(tl.uint32, bitcast=True)
+    x3 = tl.load(in_ptr + base + 3, mask=live, other=0).to(tl.uint32, bitcast=True)
+    if MODE == CTR:
+        zero = x0 * 0
+        i0, i1, _, _ = _add128(f0.to(tl.uint32), f1.to(tl.uint32), zero, zero,
+                               (lane & 0xFFFFFFFF).to(tl.uint32))
+        i1 = i1 + (lane >> 32).to(tl.uint32)
+        k0, k1, k2, k3 = _aes_encrypt(tab_ptr, _bswap(i0), _bswap(i1), zero, zero)
+        y0, y1, y2, y3 = x0 ^ k0, x1 ^ k1, x2 ^ k2, x3 ^ k3
+    elif MODE == ECB_ENCRYPT:
+        y0, y1, y2, y3 = _aes_encrypt(tab_ptr, _bswap(x0), _bswap(x1), _bswap(x2), _bswap(x3))
+    else:
+        y0, y1, y2, y3 = _aes_decrypt(tab_ptr, _bswap(x0), _bswap(x1), _bswap(x2), _bswap(x3))
+    tl.store(out_ptr + base, y0.to(tl.int32, bitcast=True), mask=live)
+    tl.store(out_ptr + base + 1, y1.to(tl.int32, bitcast=True), mask=live)
+    tl.store(out_ptr + base + 2, y2.to(tl.int32, bitcast=True), mask=live)
+    tl.store(out_ptr + base + 3, y3.to(tl.int32, bitcast=True), mask=live)
