@@ -1,7 +1,12 @@
-"""encrypt/decrypt with torchcsprng semantics against pycryptodome, and the AES-GCM mode."""
+"""encrypt/decrypt with torchcsprng semantics against pycryptodome, and the AES-GCM mode.
+
+The Triton kernel that serves CUDA tensors is run on CPU tensors under Triton's interpreter by
+pointing ``crypt._kernels_for`` at it (the ``kernel_path`` fixture) and compared with OpenSSL.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import struct
 
 import numpy as np
@@ -142,17 +147,143 @@ def test_non_tensor_arguments(arg):
         encrypt(args["input"], args["output"], args["key"])
 
 
-def test_cuda_and_other_devices_are_refused():
+def test_devices_other_than_cpu_and_cuda_are_refused():
     meta = torch.empty(16, dtype=torch.uint8, device="meta")
-    with pytest.raises(ValueError, match="CPU"):
+    with pytest.raises(ValueError, match="input must be on the CPU or a CUDA device"):
         encrypt(meta, torch.empty(16, dtype=torch.uint8), KEY)
+    with pytest.raises(ValueError, match="output must be on the CPU or a CUDA device"):
+        decrypt(torch.zeros(16, dtype=torch.uint8), meta, KEY)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tensor_message_points_to_the_cuda_backend():
-    with pytest.raises(ValueError, match="CUDA backend"):
+# ---------------------------------------------------------------------- the device kernel
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """encrypt/decrypt on CPU tensors through the Triton kernel, under the interpreter."""
+    calls = []
+
+    def interpret(t):
+        calls.append(t.device)
+        return True
+
+    monkeypatch.setattr(crypt, "_kernels_for", interpret)
+    return calls
+
+
+def _openssl(fn, *args, **kw):
+    """fn on the CPU path even while kernel_path is active."""
+    saved = crypt._kernels_for
+    crypt._kernels_for = lambda t: None
+    try:
+        return fn(*args, **kw)
+    finally:
+        crypt._kernels_for = saved
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["ecb", "ctr"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16, torch.float32,
+                                   torch.bfloat16, torch.float64, torch.complex64], ids=str)
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 16, 33, 1100])  # 1100 float32: 275 blocks, 2 programs
+def test_kernel_matches_openssl_and_round_trips(kernel_path, mode, dtype, n):
+    x = sample(dtype, n)
+    padded = -(-n * x.element_size() // 16) * 16
+    want = torch.empty(padded, dtype=torch.uint8)
+    _openssl(encrypt, x, want, KEY, mode=mode)
+    got = torch.empty(padded, dtype=torch.uint8)
+    assert encrypt(x, got, KEY, "aes128", mode) is got
+    assert torch.equal(got, want)
+    assert element_bytes(got) == ref_encrypt(element_bytes(x), bytes(KEY.numpy()), mode)
+    back = torch.empty_like(x)
+    assert decrypt(got, back, KEY, "aes128", mode) is back
+    assert element_bytes(back) == element_bytes(x)
+    assert kernel_path  # the kernel ran
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["ecb", "ctr"])
+def test_kernel_unaligned_non_contiguous_short_and_in_place(kernel_path, mode):
+    key = bytes(KEY.numpy())
+    buf = torch.arange(200, dtype=torch.uint8)
+    x = buf[1:38]  # 37 bytes at an odd address: padded to 48 in a fresh buffer
+    big = torch.zeros(64, dtype=torch.uint8)
+    out = big[3:51]  # output at an odd address: written through a copy
+    encrypt(x, out, KEY, mode=mode)
+    assert element_bytes(out) == ref_encrypt(element_bytes(x), key, mode)
+    assert big[:3].eq(0).all() and big[51:].eq(0).all()  # nothing outside the output
+    back = torch.empty(37, dtype=torch.uint8)  # shorter than the 48-byte input: padding dropped
+    decrypt(out, back, KEY, mode=mode)
+    assert torch.equal(back, x)
+    t = torch.arange(48, dtype=torch.int32).reshape(6, 8).t()  # non-contiguous input
+    ct = torch.empty(12, 4, dtype=torch.float32)
+    encrypt(t, ct, KEY, mode=mode)
+    assert element_bytes(ct) == ref_encrypt(element_bytes(t.contiguous()), key, mode)
+    y = torch.arange(64, dtype=torch.uint8)
+    want = ref_encrypt(element_bytes(y), key, mode)
+    encrypt(y, y, KEY, mode=mode)  # in place
+    assert element_bytes(y) == want
+
+
+@needs_triton
+def test_kernel_ecb_decrypt_is_the_inverse_cipher(kernel_path):
+    x = torch.arange(16 * 40, dtype=torch.uint8)
+    out = torch.empty_like(x)
+    decrypt(x, out, KEY, mode="ecb")
+    assert element_bytes(out) == AES.new(bytes(KEY.numpy()), AES.MODE_ECB).decrypt(element_bytes(x))
+
+
+@needs_triton
+def test_kernel_ctr_counter_carries_past_2_32_blocks():
+    from ember.csprng.cuda_backend import aes_crypt_
+
+    key = bytes(KEY.numpy())
+    first = 2**32 - 3
+    data = np.random.default_rng(1).integers(0, 256, 16 * 300, dtype=np.uint8)
+    src = torch.from_numpy(data.copy()).view(torch.int32)
+    dst = torch.empty_like(src)
+    aes_crypt_(src, dst, key, "ctr", False, interpret=True, first_block=first)
+    aes = AES.new(key, AES.MODE_ECB)
+    ks = aes.encrypt(b"".join(struct.pack("<QQ", first + i, 0) for i in range(300)))
+    assert element_bytes(dst) == bytes(a ^ b for a, b in zip(data.tobytes(), ks, strict=True))
+
+
+@needs_cuda
+def test_cuda_input_with_cpu_output_is_refused():
+    with pytest.raises(ValueError, match="input is on cuda:0 but output is on cpu"):
         encrypt(torch.zeros(16, dtype=torch.uint8, device="cuda"),
                 torch.empty(16, dtype=torch.uint8), KEY)
+    with pytest.raises(ValueError, match="input is on cpu but output is on cuda"):
+        decrypt(torch.zeros(16, dtype=torch.uint8),
+                torch.empty(16, dtype=torch.uint8, device="cuda"), KEY)
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("mode", ["ecb", "ctr"])
+@pytest.mark.parametrize("n", [1, 37, 4096, 3 * 2**20 + 5])
+def test_cuda_matches_cpu(mode, n):
+    x = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    padded = -(-n // 16) * 16
+    want = encrypt(x, torch.empty(padded, dtype=torch.uint8), KEY, mode=mode)
+    got = encrypt(x.cuda(), torch.empty(padded, dtype=torch.uint8, device="cuda"), KEY.cuda(),
+                  mode=mode)
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+    back = decrypt(got, torch.empty(n, dtype=torch.uint8, device="cuda"), KEY, mode=mode)
+    assert torch.equal(back.cpu(), x)
+
+
+@needs_cuda
+def test_cuda_gcm_round_trips_on_the_device():
+    x = torch.randn(5, 7, device="cuda")
+    sealed = crypt.encrypt_gcm(x, KEY)
+    assert sealed.ciphertext.device.type == "cuda"
+    plain = crypt.decrypt_gcm(sealed, KEY)
+    assert plain.device.type == "cuda"
+    assert torch.equal(crypt.view_as(plain, sealed.dtype, sealed.shape), x)
 
 
 # ---------------------------------------------------------------------- AES-GCM

@@ -8,6 +8,14 @@ every message under one key (CTR). They exist for compatibility.
 
 :func:`encrypt_gcm` / :func:`decrypt_gcm` are the mode to use: AES-GCM with a fresh 96-bit nonce
 and a 128-bit tag, so tampering is detected and one key serves many messages.
+
+Devices: CPU tensors go through OpenSSL (``cryptography``). For CUDA tensors ``encrypt``/``decrypt``
+run AES-128 on the GPU with a Triton kernel (``cuda_backend.aes_crypt_``), so the data never
+leaves the device; without triton they fall back to a copy through the host. AES-GCM always runs
+on the host: a CUDA input is copied to the CPU, sealed by OpenSSL and the ciphertext (or the
+plaintext, for :func:`decrypt_gcm`) is returned on the input's device. ``input`` and ``output``
+must be on the same device; the 16-byte key may be on either (it is read on the host, where the
+AES key schedule is computed).
 """
 
 from __future__ import annotations
@@ -39,14 +47,32 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
 
 
 def _check_device(**tensors: torch.Tensor) -> None:
-    """The one place where devices are checked (a CUDA backend extends this)."""
+    """The one place where devices are checked: the CPU or a CUDA device."""
     for name, t in tensors.items():
-        if t.device.type == "cuda":
-            raise ValueError(
-                f"{name} is on {t.device}: CUDA encrypt/decrypt lands with the CUDA backend; "
-                "move the tensors to the CPU for now")
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} must be on the CPU or a CUDA device, got device {t.device}")
+
+
+def _check_same_device(input: torch.Tensor, output: torch.Tensor) -> None:
+    if input.device != output.device:
+        raise ValueError(
+            f"input is on {input.device} but output is on {output.device}: encrypt/decrypt write "
+            "on the input's device; allocate output there (e.g. torch.empty(..., "
+            "device=input.device)) or move one of them with .to()")
+
+
+def _kernels_for(t: torch.Tensor) -> bool | None:
+    """How ``encrypt``/``decrypt`` process tensors on ``t``'s device.
+
+    None: on the host with OpenSSL (CPU tensors, and CUDA tensors when triton is missing, copied
+    through the host); False: the compiled Triton kernel on the device; True: the same kernel under
+    Triton's interpreter (tests set this for CPU tensors).
+    """
+    if t.device.type == "cuda":
+        from .cuda_backend import triton_available
+
+        return False if triton_available() else None
+    return None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -60,7 +86,7 @@ def _raw_bytes(name: str, t: torch.Tensor) -> np.ndarray:
     t = t.detach().contiguous()
     if t.numel() == 0:
         return np.empty(0, np.uint8)
-    return t.view(-1).view(torch.uint8).numpy()
+    return t.view(-1).view(torch.uint8).cpu().numpy()
 
 
 def _key_bytes(key: object, expected: tuple[int, ...]) -> bytes:
@@ -115,11 +141,47 @@ def _write(output: torch.Tensor, data: np.ndarray) -> None:
         output.view(-1).view(torch.uint8).copy_(torch.from_numpy(data.copy()))
 
 
+# ---------------------------------------------------------------------- on the device
+def _device_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's element bytes in element order as a flat uint8 tensor on its device."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.view(-1).view(torch.uint8)
+
+
+def _words(b: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``b`` (uint8) zero-padded to ``nbytes`` as int32 words: a view when it already is that."""
+    if b.numel() == nbytes and b.data_ptr() % 4 == 0:
+        return b.view(torch.int32)
+    w = torch.zeros(nbytes // 4, dtype=torch.int32, device=b.device)
+    w.view(torch.uint8)[: b.numel()].copy_(b)
+    return w
+
+
+def _device_crypt(src: torch.Tensor, output: torch.Tensor, key: bytes, mode: str, inverse: bool,
+                  padded: int, interpret: bool) -> None:
+    """``output``'s bytes = the first bytes of AES over ``src``'s bytes padded to ``padded``."""
+    from .cuda_backend import aes_crypt_
+
+    words = _words(_device_bytes(src), padded)
+    dst_bytes = _device_bytes(output)  # output is contiguous: a view of its bytes
+    n_out = dst_bytes.numel()
+    direct = n_out == padded and dst_bytes.data_ptr() % 4 == 0
+    dst = dst_bytes.view(torch.int32) if direct else torch.empty_like(words)
+    aes_crypt_(words, dst, key, mode, inverse, interpret)
+    if not direct and n_out:
+        dst_bytes.copy_(dst.view(torch.uint8)[:n_out])
+
+
 def _checked(input, output, key, cipher: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, bytes]:
     """The checks shared by encrypt and decrypt: (input, output, raw 16-byte key)."""
     input, output = _check_tensor("input", input), _check_tensor("output", output)
     _check_tensor("key", key)
     _check_device(input=input, output=output, key=key)
+    _check_same_device(input, output)
     _check_cipher_mode(cipher, mode)
     raw_key = _key_bytes(key, (16,))
     _check_output(output)
@@ -131,7 +193,8 @@ def encrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
     """Encrypt ``input``'s bytes into ``output`` with torchcsprng's semantics; returns ``output``.
 
     ``output`` must hold exactly ``input``'s byte count rounded up to a multiple of 16 (the last
-    block is zero-padded); ``key`` is any tensor of exactly 16 bytes. Unauthenticated: prefer
+    block is zero-padded); ``key`` is any tensor of exactly 16 bytes. ``input`` and ``output`` must be
+    on the same device; CUDA tensors are encrypted there by a Triton kernel. Unauthenticated: prefer
     :func:`encrypt_gcm`.
     """
     input, output, raw_key = _checked(input, output, key, cipher, mode)
@@ -140,6 +203,10 @@ def encrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
     if _nbytes(output) != padded:
         raise ValueError(f"output: expected {padded} bytes (input's {n_in} bytes rounded up to a "
                          f"multiple of {BLOCK}), got {_nbytes(output)} bytes")
+    kern = _kernels_for(input)
+    if kern is not None:
+        _device_crypt(input, output, raw_key, mode, False, padded, kern)
+        return output
     data = np.zeros(padded, np.uint8)
     data[:n_in] = _raw_bytes("input", input)
     _write(output, _transform(data, raw_key, mode, inverse=False))
@@ -159,6 +226,10 @@ def decrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
     if not 0 <= n_in - n_out < BLOCK:
         raise ValueError(f"output: expected {n_in - BLOCK + 1} to {n_in} bytes (input's {n_in} "
                          f"bytes less at most {BLOCK - 1} of padding), got {n_out} bytes")
+    kern = _kernels_for(input)
+    if kern is not None:
+        _device_crypt(input, output, raw_key, mode, True, n_in, kern)
+        return output
     plain = _transform(_raw_bytes("input", input), raw_key, mode, inverse=True)
     _write(output, plain[:n_out])
     return output
@@ -185,7 +256,9 @@ def encrypt_gcm(input: torch.Tensor, key: torch.Tensor | bytes, *, nonce: bytes 
                 associated_data: bytes | None = None) -> GCMCiphertext:
     """Encrypt and authenticate ``input``'s bytes with AES-GCM (16-byte key: AES-128, 32: AES-256).
 
-    A fresh random 12-byte nonce is used unless one is given; never reuse a nonce with a key.
+    Runs on the host (OpenSSL): a CUDA input is copied to the CPU, and the ciphertext tensor is
+    returned on the input's device. A fresh random 12-byte nonce is used unless one is given;
+    never reuse a nonce with a key.
     ``associated_data`` is authenticated but not encrypted.
     """
     input = _check_tensor("input", input)
@@ -199,7 +272,7 @@ def encrypt_gcm(input: torch.Tensor, key: torch.Tensor | bytes, *, nonce: bytes 
     body, tag = sealed[:-16], sealed[-16:]
     ct = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(
         0, dtype=torch.uint8)
-    return GCMCiphertext(ct, nonce, tag, input.dtype, tuple(input.shape))
+    return GCMCiphertext(ct.to(input.device), nonce, tag, input.dtype, tuple(input.shape))
 
 
 def decrypt_gcm(ciphertext: torch.Tensor | GCMCiphertext, key: torch.Tensor | bytes,
@@ -207,7 +280,8 @@ def decrypt_gcm(ciphertext: torch.Tensor | GCMCiphertext, key: torch.Tensor | by
                 associated_data: bytes | None = None) -> torch.Tensor:
     """Verify and decrypt; returns the plaintext bytes as a uint8 tensor.
 
-    Pass a :class:`GCMCiphertext`, or the ciphertext tensor with its nonce and tag. Raises
+    Pass a :class:`GCMCiphertext`, or the ciphertext tensor with its nonce and tag. Runs on the
+    host; the plaintext comes back on the ciphertext's device. Raises
     ValueError if the tag does not match (wrong key, nonce, associated data or tampered bytes).
     Use :func:`view_as` to recover the original dtype and shape.
     """
@@ -230,8 +304,8 @@ def decrypt_gcm(ciphertext: torch.Tensor | GCMCiphertext, key: torch.Tensor | by
         raise ValueError("decrypt_gcm: authentication failed (wrong key, nonce, tag or "
                          "associated data, or the ciphertext was modified)") from None
     if not plain:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(plain), dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=ct.device)
+    return torch.frombuffer(bytearray(plain), dtype=torch.uint8).to(ct.device)
 
 
 def view_as(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size
@@ -248,7 +322,7 @@ def view_as(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | tor
         raise ValueError(f"data: expected {want} bytes for {dtype} of shape {shape}, got "
                          f"{data.numel()} bytes")
     if want == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=data.device)
     return data.view(dtype).view(shape)
 
 
