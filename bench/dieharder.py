@@ -1,6 +1,7 @@
 """Feed ember.csprng output to dieharder and report its verdicts.
 
-    python bench/dieharder.py [--mib 256] [--tests all|quick] [--json bench/results/dieharder.json]
+    python bench/dieharder.py [--mib 256] [--tests all|quick|ID,ID...] [--resolve] [--timeout S]
+        [--json PATH]
 
 The input is ember's ``torch.randint(0, 2**32, generator=g)`` stream (a power-of-two range, so the
 values are the raw little-endian 32-bit words), streamed to ``dieharder -g 200`` (raw binary on
@@ -17,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +42,17 @@ def chunks(seed: int, mib_per_chunk: int = 16):
 
 def _one(args: list[str], stream, deadline: float) -> tuple[str, str, int]:
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines: list[str] = []
+
+    def echo() -> None:  # print verdicts as dieharder reaches them: a full run takes hours
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace")
+            lines.append(line)
+            if "|" in line:
+                print(line.rstrip(), flush=True)
+
+    reader = threading.Thread(target=echo, daemon=True)
+    reader.start()
     fed = 0
     try:
         for chunk in stream:
@@ -54,19 +67,27 @@ def _one(args: list[str], stream, deadline: float) -> tuple[str, str, int]:
     finally:
         with contextlib.suppress(OSError):
             proc.stdin.close()
-    out, err = proc.stdout.read(), proc.stderr.read()
+    err = proc.stderr.read()
     proc.wait(timeout=60)
-    return out.decode(errors="replace"), err.decode(errors="replace"), fed
+    reader.join(timeout=60)
+    return "".join(lines), err.decode(errors="replace"), fed
 
 
-def run(mib: int, tests: str, seed: int = 0, timeout: float = 3600) -> tuple[list[dict], int]:
+def run(mib: int, tests: str, seed: int = 0, timeout: float = 3600, resolve: bool = False
+        ) -> tuple[list[dict], int]:
     """Verdict rows, and the MiB fed (at least ``mib``: dieharder reads as much as it needs)."""
     exe = shutil.which("dieharder")
     if exe is None:
         raise SystemExit("dieharder is not installed (apt-get install dieharder)")
     stream = chunks(seed)  # one continuous ember stream across all the dieharder runs
     deadline = time.monotonic() + timeout
-    runs = [["-a"]] if tests == "all" else [["-d", str(d)] for d in QUICK]
+    if tests == "all":
+        runs = [["-a"]]
+    else:
+        ids = QUICK if tests == "quick" else [int(d) for d in tests.split(",")]
+        runs = [["-d", str(d)] for d in ids]
+    if resolve:  # -Y 1: re-test WEAK results with more p-samples until they pass or fail
+        runs = [[*r, "-Y", "1"] for r in runs]
     rows, fed = [], 0
     for extra in runs:
         out, err, n = _one([exe, "-g", "200", *extra], stream, deadline)
@@ -85,10 +106,14 @@ def run(mib: int, tests: str, seed: int = 0, timeout: float = 3600) -> tuple[lis
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256)
-    ap.add_argument("--tests", choices=["all", "quick"], default="all")
+    ap.add_argument("--tests", default="all",
+                    help="all (dieharder -a), quick, or comma-separated dieharder -d ids")
+    ap.add_argument("--resolve", action="store_true",
+                    help="dieharder -Y 1: re-run WEAK results with more p-samples")
     ap.add_argument("--json", type=Path, default=Path("bench/results/dieharder.json"))
+    ap.add_argument("--timeout", type=float, default=6 * 3600, help="seconds before giving up")
     args = ap.parse_args()
-    rows, fed = run(args.mib, args.tests)
+    rows, fed = run(args.mib, args.tests, timeout=args.timeout, resolve=args.resolve)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("PASSED", "WEAK", "FAILED")}
     for r in rows:
         print(f"{r['test']:<28}{r['ntup']:>4}  p={r['p']:.6f}  {r['verdict']}")
