@@ -45,8 +45,19 @@ def sample(dtype: torch.dtype, n: int) -> torch.Tensor:
     return torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype)
 
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+]
 LENGTHS = [0, 1, 3, 7, 16, 33]
 
 
@@ -85,8 +96,7 @@ def test_multidimensional_and_non_contiguous_input_use_element_order():
     x = torch.arange(48, dtype=torch.int32).reshape(6, 8).t()  # non-contiguous
     out = torch.empty(12, 4, dtype=torch.float32)
     encrypt(x, out, KEY, mode="ctr")
-    assert element_bytes(out) == ref_encrypt(element_bytes(x.contiguous()), bytes(KEY.numpy()),
-                                             "ctr")
+    assert element_bytes(out) == ref_encrypt(element_bytes(x.contiguous()), bytes(KEY.numpy()), "ctr")
 
 
 def test_key_may_be_any_dtype_of_16_bytes():
@@ -109,12 +119,14 @@ def test_decrypt_drops_padding_when_output_is_shorter():
 # ---------------------------------------------------------------------- bad inputs
 def test_wrong_key_size():
     with pytest.raises(ValueError, match="expected a 16-byte key, got 12 bytes"):
-        encrypt(torch.zeros(16, dtype=torch.uint8), torch.empty(16, dtype=torch.uint8),
-                torch.zeros(12, dtype=torch.uint8))
+        encrypt(
+            torch.zeros(16, dtype=torch.uint8),
+            torch.empty(16, dtype=torch.uint8),
+            torch.zeros(12, dtype=torch.uint8),
+        )
 
 
-@pytest.mark.parametrize("kw,match", [({"cipher": "aes256"}, "cipher"),
-                                      ({"mode": "cbc"}, "mode")])
+@pytest.mark.parametrize("kw,match", [({"cipher": "aes256"}, "cipher"), ({"mode": "cbc"}, "mode")])
 def test_unknown_cipher_or_mode(kw, match):
     with pytest.raises(ValueError, match=match):
         encrypt(torch.zeros(16, dtype=torch.uint8), torch.empty(16, dtype=torch.uint8), KEY, **kw)
@@ -125,8 +137,9 @@ def test_wrong_encrypt_output_length():
         encrypt(torch.zeros(17, dtype=torch.uint8), torch.empty(17, dtype=torch.uint8), KEY)
 
 
-@pytest.mark.parametrize("n_in,n_out,match", [(17, 17, "multiple of 16"),
-                                              (32, 16, "output"), (16, 17, "output")])
+@pytest.mark.parametrize(
+    "n_in,n_out,match", [(17, 17, "multiple of 16"), (32, 16, "output"), (16, 17, "output")]
+)
 def test_wrong_decrypt_lengths(n_in, n_out, match):
     with pytest.raises(ValueError, match=match):
         decrypt(torch.zeros(n_in, dtype=torch.uint8), torch.empty(n_out, dtype=torch.uint8), KEY)
@@ -140,8 +153,11 @@ def test_non_contiguous_output_is_rejected():
 
 @pytest.mark.parametrize("arg", ["input", "output", "key"])
 def test_non_tensor_arguments(arg):
-    args = {"input": torch.zeros(16, dtype=torch.uint8),
-            "output": torch.empty(16, dtype=torch.uint8), "key": KEY}
+    args = {
+        "input": torch.zeros(16, dtype=torch.uint8),
+        "output": torch.empty(16, dtype=torch.uint8),
+        "key": KEY,
+    }
     args[arg] = b"0123456789abcdef"
     with pytest.raises(TypeError, match=arg):
         encrypt(args["input"], args["output"], args["key"])
@@ -156,8 +172,9 @@ def test_devices_other_than_cpu_and_cuda_are_refused():
 
 
 # ---------------------------------------------------------------------- the device kernel
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -186,8 +203,11 @@ def _openssl(fn, *args, **kw):
 
 @needs_triton
 @pytest.mark.parametrize("mode", ["ecb", "ctr"])
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16, torch.float32,
-                                   torch.bfloat16, torch.float64, torch.complex64], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.uint8, torch.bool, torch.int16, torch.float32, torch.bfloat16, torch.float64, torch.complex64],
+    ids=str,
+)
 @pytest.mark.parametrize("n", [0, 1, 3, 7, 16, 33, 1100])  # 1100 float32: 275 blocks, 2 programs
 def test_kernel_matches_openssl_and_round_trips(kernel_path, mode, dtype, n):
     x = sample(dtype, n)
@@ -254,11 +274,9 @@ def test_kernel_ctr_counter_carries_past_2_32_blocks():
 @needs_cuda
 def test_cuda_input_with_cpu_output_is_refused():
     with pytest.raises(ValueError, match="input is on cuda:0 but output is on cpu"):
-        encrypt(torch.zeros(16, dtype=torch.uint8, device="cuda"),
-                torch.empty(16, dtype=torch.uint8), KEY)
+        encrypt(torch.zeros(16, dtype=torch.uint8, device="cuda"), torch.empty(16, dtype=torch.uint8), KEY)
     with pytest.raises(ValueError, match="input is on cpu but output is on cuda"):
-        decrypt(torch.zeros(16, dtype=torch.uint8),
-                torch.empty(16, dtype=torch.uint8, device="cuda"), KEY)
+        decrypt(torch.zeros(16, dtype=torch.uint8), torch.empty(16, dtype=torch.uint8, device="cuda"), KEY)
 
 
 @needs_cuda
@@ -269,8 +287,7 @@ def test_cuda_matches_cpu(mode, n):
     x = torch.randint(0, 256, (n,), dtype=torch.uint8)
     padded = -(-n // 16) * 16
     want = encrypt(x, torch.empty(padded, dtype=torch.uint8), KEY, mode=mode)
-    got = encrypt(x.cuda(), torch.empty(padded, dtype=torch.uint8, device="cuda"), KEY.cuda(),
-                  mode=mode)
+    got = encrypt(x.cuda(), torch.empty(padded, dtype=torch.uint8, device="cuda"), KEY.cuda(), mode=mode)
     assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
     back = decrypt(got, torch.empty(n, dtype=torch.uint8, device="cuda"), KEY, mode=mode)
     assert torch.equal(back.cpu(), x)
@@ -298,8 +315,9 @@ def test_gcm_round_trip(key_len, dtype):
     assert len(nonce) == 12 and len(tag) == 16
     plain = crypt.decrypt_gcm(sealed, key, associated_data=b"hdr")
     assert element_bytes(plain) == element_bytes(x)
-    back = crypt.view_as(crypt.decrypt_gcm(ct, key, nonce, tag, associated_data=b"hdr"),
-                         sealed.dtype, sealed.shape)
+    back = crypt.view_as(
+        crypt.decrypt_gcm(ct, key, nonce, tag, associated_data=b"hdr"), sealed.dtype, sealed.shape
+    )
     assert back.dtype == dtype and torch.equal(back, x)
 
 

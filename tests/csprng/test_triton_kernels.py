@@ -31,14 +31,12 @@ from ember.csprng.ciphers import COUNTER_LIMIT
 from ember.csprng.distributions import NativeSampler, blocks_for
 from ember.csprng.stream import BlockStream, CounterExhausted
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 KEY = bytes(range(16))
 CIPHERS = ["aes128", "chacha20"]
 # stream positions (16-byte units) where the cipher's own block counter crosses 2^32, 2^64, 2^96:
 # AES block = unit; ChaCha20 block = unit // 4 (and a start inside a ChaCha block)
-COUNTERS = {"aes128": [5, 2**32 - 3, 2**64 - 5, 2**96 - 3],
-            "chacha20": [5, 2**34 - 7, 2**66 - 9, 2**98 - 9]}
+COUNTERS = {"aes128": [5, 2**32 - 3, 2**64 - 5, 2**96 - 3], "chacha20": [5, 2**34 - 7, 2**66 - 9, 2**98 - 9]}
 CROSS = {c: v[1] for c, v in COUNTERS.items()}
 INT_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -171,35 +169,59 @@ def standard_draw(method: str, w: np.ndarray, n: int) -> np.ndarray | None:
 def assert_within(got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> None:
     err = np.abs(got.astype(np.float64) - want.astype(np.float64))
     bad = np.flatnonzero(~(err <= tol))
-    assert bad.size == 0, (f"{bad.size} values outside the bound, e.g. index {bad[0]}: "
-                           f"{got[bad[0]]!r} vs {want[bad[0]]!r} (tolerance {tol[bad[0]]!r})")
+    assert bad.size == 0, (
+        f"{bad.size} values outside the bound, e.g. index {bad[0]}: "
+        f"{got[bad[0]]!r} vs {want[bad[0]]!r} (tolerance {tol[bad[0]]!r})"
+    )
 
 
 # ---------------------------------------------------------------------------- bit-identical
 EXACT = [
-    ("uniform_", torch.float32, ()), ("uniform_", torch.float32, (-2.0, 3.0)),
-    ("uniform_", torch.float32, (0.0, 10.0)), ("uniform_", torch.float32, (1.5, 1.5)),
-    ("uniform_", torch.float64, ()), ("uniform_", torch.float64, (-2.0, 3.0)),
-    ("uniform_", torch.float16, ()), ("uniform_", torch.float16, (-2.0, 3.0)),
-    ("uniform_", torch.bfloat16, ()), ("uniform_", torch.bfloat16, (-1.0, 7.0)),
+    ("uniform_", torch.float32, ()),
+    ("uniform_", torch.float32, (-2.0, 3.0)),
+    ("uniform_", torch.float32, (0.0, 10.0)),
+    ("uniform_", torch.float32, (1.5, 1.5)),
+    ("uniform_", torch.float64, ()),
+    ("uniform_", torch.float64, (-2.0, 3.0)),
+    ("uniform_", torch.float16, ()),
+    ("uniform_", torch.float16, (-2.0, 3.0)),
+    ("uniform_", torch.bfloat16, ()),
+    ("uniform_", torch.bfloat16, (-1.0, 7.0)),
     ("random_range_", torch.int64, (-5, 2**31 + 1)),  # 32-bit Lemire, about half rejected
-    ("random_range_", torch.int64, (-2**62, 2**62 + 7)),  # 64-bit Lemire, about half rejected
+    ("random_range_", torch.int64, (-(2**62), 2**62 + 7)),  # 64-bit Lemire, about half rejected
     ("random_range_", torch.int64, (0, 2**32)),  # power of two, 32-bit words
     ("random_range_", torch.int64, (3, 3 + 2**40)),  # power of two, 64-bit words
-    ("random_range_", torch.int64, (-2**63, 2**63)),  # the full 64-bit range
-    ("random_range_", torch.int32, (-1000, 1000)), ("random_range_", torch.int16, (0, 16)),
-    ("random_range_", torch.uint8, (0, 200)), ("random_range_", torch.int8, (-128, 127)),
-    ("random_range_", torch.float32, (-1000, 1000)), ("random_range_", torch.float64, (0, 2**40 + 3)),
-    ("random_range_", torch.float16, (-5, 5)), ("random_range_", torch.bfloat16, (0, 100)),
+    ("random_range_", torch.int64, (-(2**63), 2**63)),  # the full 64-bit range
+    ("random_range_", torch.int32, (-1000, 1000)),
+    ("random_range_", torch.int16, (0, 16)),
+    ("random_range_", torch.uint8, (0, 200)),
+    ("random_range_", torch.int8, (-128, 127)),
+    ("random_range_", torch.float32, (-1000, 1000)),
+    ("random_range_", torch.float64, (0, 2**40 + 3)),
+    ("random_range_", torch.float16, (-5, 5)),
+    ("random_range_", torch.bfloat16, (0, 100)),
     ("random_range_", torch.bool, (0, 2)),
     *[("random_", d, ()) for d in [torch.bool, *INT_DTYPES, *FLOAT_DTYPES]],
-    *[("bernoulli_", d, (0.3,)) for d in [torch.bool, torch.uint8, torch.int64, torch.float16,
-                                          torch.bfloat16, torch.float32, torch.float64]],
-    ("bernoulli_", torch.float32, (0.0,)), ("bernoulli_", torch.float32, (1.0,)),
+    *[
+        ("bernoulli_", d, (0.3,))
+        for d in [
+            torch.bool,
+            torch.uint8,
+            torch.int64,
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+        ]
+    ],
+    ("bernoulli_", torch.float32, (0.0,)),
+    ("bernoulli_", torch.float32, (1.0,)),
     ("bernoulli_", torch.int32, (1e-12,)),
     *[("geometric_", d, (0.3,)) for d in [*INT_DTYPES, *FLOAT_DTYPES]],
-    *[("geometric_", d, (1e-7,)) for d in [torch.int16, torch.int32, torch.int64, torch.bfloat16,
-                                           torch.float32, torch.float64]],
+    *[
+        ("geometric_", d, (1e-7,))
+        for d in [torch.int16, torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.float64]
+    ],
     ("geometric_", torch.float16, (1e-3,)),
     ("geometric_", torch.int64, (1e-19,)),  # beyond 2**63: the int64 cap
     ("geometric_", torch.int64, (1.0,)),
@@ -233,10 +255,17 @@ def test_geometric_int64_cap_is_int64_max():
 
 @pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize("counter_index", range(4))
-@pytest.mark.parametrize("case", [("uniform_", torch.float32, ()), ("uniform_", torch.float16, ()),
-                                  ("random_range_", torch.int64, (-2**62, 2**62 + 7)),
-                                  ("normal_", torch.float64, ()), ("bernoulli_", torch.bool, (0.5,))],
-                         ids=_ids)
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("uniform_", torch.float32, ()),
+        ("uniform_", torch.float16, ()),
+        ("random_range_", torch.int64, (-(2**62), 2**62 + 7)),
+        ("normal_", torch.float64, ()),
+        ("bernoulli_", torch.bool, (0.5,)),
+    ],
+    ids=_ids,
+)
 def test_every_counter_crossing(cipher, counter_index, case):
     method, dtype, params = case
     ref, got = pair(cipher, COUNTERS[cipher][counter_index], method, dtype, 203, params)
@@ -245,9 +274,16 @@ def test_every_counter_crossing(cipher, counter_index, case):
 
 @pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 17, 63, 257, 1031])
-@pytest.mark.parametrize("case", [("uniform_", torch.float32, ()), ("uniform_", torch.bfloat16, ()),
-                                  ("random_range_", torch.int64, (0, 10**15)),
-                                  ("normal_", torch.float64, (0.5, 3.0))], ids=_ids)
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("uniform_", torch.float32, ()),
+        ("uniform_", torch.bfloat16, ()),
+        ("random_range_", torch.int64, (0, 10**15)),
+        ("normal_", torch.float64, (0.5, 3.0)),
+    ],
+    ids=_ids,
+)
 def test_lengths_that_are_not_a_multiple_of_the_block(cipher, n, case):
     method, dtype, params = case
     ref, got = pair(cipher, 7, method, dtype, n, params)
@@ -255,16 +291,22 @@ def test_lengths_that_are_not_a_multiple_of_the_block(cipher, n, case):
 
 
 @pytest.mark.parametrize("cipher", CIPHERS)
-@pytest.mark.parametrize("case", [("uniform_", torch.float32, ()), ("random_", torch.int64, ()),
-                                  ("normal_", torch.float64, ())], ids=_ids)
+@pytest.mark.parametrize(
+    "case",
+    [("uniform_", torch.float32, ()), ("random_", torch.int64, ()), ("normal_", torch.float64, ())],
+    ids=_ids,
+)
 def test_end_of_the_counter_space(cipher, case):
     """A draw that ends exactly at 2**128 matches; one block more raises for both, moving nothing."""
     from ember.csprng.cuda_backend import triton_fill_
 
     method, dtype, params = case
     n = 37
-    need = {"uniform_": blocks_for(n * 4), "random_": blocks_for(n * 8),
-            "normal_": blocks_for((n + 1) // 2 * 16)}[method]
+    need = {
+        "uniform_": blocks_for(n * 4),
+        "random_": blocks_for(n * 8),
+        "normal_": blocks_for((n + 1) // 2 * 16),
+    }[method]
     ref, got = pair(cipher, COUNTER_LIMIT - need, method, dtype, n, params)
     assert torch.equal(ref, got)
     for s in (sampler(cipher, COUNTER_LIMIT - need + 1),):
@@ -327,17 +369,24 @@ def test_errors_match_the_cpu_sampler(method):
 
 
 # ---------------------------------------------------------------------------- transcendental
-TRANSCENDENTAL = [("normal_", ()), ("normal_", (1.0, 2.0)), ("normal_", (-3.0, 0.5)),
-                  ("log_normal_", ()), ("log_normal_", (0.0, 1.0)), ("log_normal_", (-1.0, 0.5)),
-                  ("exponential_", ()), ("exponential_", (2.5,)),
-                  ("cauchy_", ()), ("cauchy_", (1.0, 2.0))]
+TRANSCENDENTAL = [
+    ("normal_", ()),
+    ("normal_", (1.0, 2.0)),
+    ("normal_", (-3.0, 0.5)),
+    ("log_normal_", ()),
+    ("log_normal_", (0.0, 1.0)),
+    ("log_normal_", (-1.0, 0.5)),
+    ("exponential_", ()),
+    ("exponential_", (2.5,)),
+    ("cauchy_", ()),
+    ("cauchy_", (1.0, 2.0)),
+]
 T_IDS = [f"{m}-{p}" for m, p in TRANSCENDENTAL]
 
 
 @pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize("method,params", TRANSCENDENTAL, ids=T_IDS)
-def test_f32_kernel_is_the_correctly_rounded_pipeline_and_within_bound_of_cpu(cipher, method,
-                                                                            params):
+def test_f32_kernel_is_the_correctly_rounded_pipeline_and_within_bound_of_cpu(cipher, method, params):
     n = 2001
     counter = CROSS[cipher]
     cpu, got = pair(cipher, counter, method, torch.float32, n, params)
@@ -349,14 +398,18 @@ def test_f32_kernel_is_the_correctly_rounded_pipeline_and_within_bound_of_cpu(ci
 
 @pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("method,params", [c for c in TRANSCENDENTAL if c[1] == ()],
-                         ids=[i for i, c in zip(T_IDS, TRANSCENDENTAL, strict=True) if c[1] == ()])
+@pytest.mark.parametrize(
+    "method,params",
+    [c for c in TRANSCENDENTAL if c[1] == ()],
+    ids=[i for i, c in zip(T_IDS, TRANSCENDENTAL, strict=True) if c[1] == ()],
+)
 def test_16_bit_outputs_within_one_ulp(cipher, dtype, method, params):
     n = 1001
     counter = CROSS[cipher]
     cpu, got = pair(cipher, counter, method, dtype, n, params)
-    ref = torch.from_numpy(reference_f32(method, words(cipher, counter, nwords(method, n), 4), n,
-                                         params)).to(dtype)
+    ref = torch.from_numpy(reference_f32(method, words(cipher, counter, nwords(method, n), 4), n, params)).to(
+        dtype
+    )
     assert torch.equal(got, ref)  # the float32 pipeline, rounded once to the 16-bit dtype
     d = ulp_distance(cpu, got)
     assert d.max() <= 1, f"max {d.max()} ulp"
@@ -392,8 +445,16 @@ def test_f32_bounds_on_a_large_sample(cipher):
 # Triton compiles to PTX and a cubin (its bundled ptxas) without a GPU: that checks the kernels
 # build for a real device, with the types of real launches, and that float32 arithmetic outside
 # libdevice is not contracted into FMAs (docs: no fused multiply-add).
-_OPS = {"uniform_": 0, "normal_": 1, "log_normal_": 2, "exponential_": 3, "cauchy_": 4,
-        "geometric_": 5, "integer": 6, "bernoulli_": 7}
+_OPS = {
+    "uniform_": 0,
+    "normal_": 1,
+    "log_normal_": 2,
+    "exponential_": 3,
+    "cauchy_": 4,
+    "geometric_": 5,
+    "integer": 6,
+    "bernoulli_": 7,
+}
 # (name, out pointer type, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
 AOT_CASES = [
     ("uniform_ f32", "*fp32", "uniform_", 4, 24, False, True, True, False),
@@ -437,10 +498,12 @@ def _nvidia_compiler():
     assert not k.INTERPRETED
 
     def compile_ptx(fn, signature: dict, constexprs: dict) -> str:
-        src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v
-                                                   for n, v in constexprs.items()})
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"enable_fp_fusion": False}).asm["ptx"]
+        src = ASTSource(
+            fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()}
+        )
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm[
+            "ptx"
+        ]
 
     return k, compile_ptx
 
@@ -457,12 +520,38 @@ def test_fill_kernel_compiles_for_sm90(cipher, case):
     """Fast: ChaCha20 uniform and normal float32; the rest are ``slow`` (about 8 s per AES case)."""
     k, compile_ptx = _nvidia_compiler()
     name, out_ty, op, wb, mbits, f64, flag, flag2, via = case
-    sig = {"out_ptr": out_ty, "tab_ptr": "*i32", "fp_ptr": "*fp64", "ip_ptr": "*i64",
-           "p_ptr": "*fp64", "cnt_ptr": "*i32", "pos_ptr": "*i64", "c0": "i64", "c1": "i32",
-           "c2": "i32", "c3": "i64", "skip": "i32", "n": "i64", "nlanes": "i32", "cap": "i32"}
-    ptx = compile_ptx(k.fill_kernel, sig, dict(
-        CIPHER=0 if cipher == "aes128" else 1, OP=_OPS[op], WB=wb, MBITS=mbits, F64=f64, FLAG=flag,
-        FLAG2=flag2, VIA_F32=via, BLOCK=256 if cipher == "aes128" else 128))
+    sig = {
+        "out_ptr": out_ty,
+        "tab_ptr": "*i32",
+        "fp_ptr": "*fp64",
+        "ip_ptr": "*i64",
+        "p_ptr": "*fp64",
+        "cnt_ptr": "*i32",
+        "pos_ptr": "*i64",
+        "c0": "i64",
+        "c1": "i32",
+        "c2": "i32",
+        "c3": "i64",
+        "skip": "i32",
+        "n": "i64",
+        "nlanes": "i32",
+        "cap": "i32",
+    }
+    ptx = compile_ptx(
+        k.fill_kernel,
+        sig,
+        dict(
+            CIPHER=0 if cipher == "aes128" else 1,
+            OP=_OPS[op],
+            WB=wb,
+            MBITS=mbits,
+            F64=f64,
+            FLAG=flag,
+            FLAG2=flag2,
+            VIA_F32=via,
+            BLOCK=256 if cipher == "aes128" else 128,
+        ),
+    )
     assert "fma.rn.f32" not in ptx  # float32 steps stay separate multiplies and adds
     assert ".approx.f32" not in ptx and ".approx.ftz.f32" not in ptx  # no fast float32 math
     if op in ("uniform_", "integer", "bernoulli_"):
@@ -471,12 +560,17 @@ def test_fill_kernel_compiles_for_sm90(cipher, case):
         assert "sqrt.rn.f32" in ptx or f64
 
 
-@pytest.mark.parametrize("mode", [pytest.param("ECB_ENCRYPT", marks=pytest.mark.slow), "ECB_DECRYPT",
-                                  pytest.param("CTR", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("ECB_ENCRYPT", marks=pytest.mark.slow),
+        "ECB_DECRYPT",
+        pytest.param("CTR", marks=pytest.mark.slow),
+    ],
+)
 def test_crypt_kernel_compiles_for_sm90(mode):
     k, compile_ptx = _nvidia_compiler()
-    sig = {"in_ptr": "*i32", "out_ptr": "*i32", "tab_ptr": "*i32", "nblocks": "i64", "f0": "i32",
-           "f1": "i32"}
+    sig = {"in_ptr": "*i32", "out_ptr": "*i32", "tab_ptr": "*i32", "nblocks": "i64", "f0": "i32", "f1": "i32"}
     ptx = compile_ptx(k.crypt_kernel, sig, dict(MODE=int(getattr(k, mode).value), BLOCK=256))
     assert ".entry crypt_kernel" in ptx
 
@@ -500,8 +594,9 @@ def _gpu_vs_cpu(method: str, dtype: torch.dtype, params: tuple, n: int, cipher: 
 @needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("cipher", CIPHERS)
-@pytest.mark.parametrize("case", [c for c in EXACT if not (c[0] in dict(TRANSCENDENTAL)
-                                                           or c[0] == "geometric_")], ids=_ids)
+@pytest.mark.parametrize(
+    "case", [c for c in EXACT if not (c[0] in dict(TRANSCENDENTAL) or c[0] == "geometric_")], ids=_ids
+)
 def test_cuda_exact(cipher, case):
     method, dtype, params = case
     cpu, gpu = _gpu_vs_cpu(method, dtype, params, 100_003, cipher)
@@ -523,8 +618,11 @@ def test_cuda_geometric(cipher, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("method,params", [c for c in TRANSCENDENTAL if c[1] == ()],
-                         ids=[i for i, c in zip(T_IDS, TRANSCENDENTAL, strict=True) if c[1] == ()])
+@pytest.mark.parametrize(
+    "method,params",
+    [c for c in TRANSCENDENTAL if c[1] == ()],
+    ids=[i for i, c in zip(T_IDS, TRANSCENDENTAL, strict=True) if c[1] == ()],
+)
 def test_cuda_transcendental_bounds(cipher, dtype, method, params):
     """float32: F32_BOUND + 1 (the +1: libdevice's float64 result may round to float32 differently
     from NumPy's in about one case in 2**28); 16-bit: 1 ulp; float64: F64_GPU_BOUND (derived)."""
@@ -532,11 +630,17 @@ def test_cuda_transcendental_bounds(cipher, dtype, method, params):
     d = ulp_distance(cpu, gpu)
     arg = np.log(cpu.double().numpy())  # log_normal: mean + z * std, default (1, 2)
     if dtype == torch.float64:
-        bound = lognormal_bound(np.abs(arg - 1.0), np.abs(arg), F64_GPU_BOUND["normal_"], 2) if (
-            method == "log_normal_") else F64_GPU_BOUND[method]
+        bound = (
+            lognormal_bound(np.abs(arg - 1.0), np.abs(arg), F64_GPU_BOUND["normal_"], 2)
+            if (method == "log_normal_")
+            else F64_GPU_BOUND[method]
+        )
     elif dtype == torch.float32:
-        bound = 1 + (lognormal_bound(np.abs(arg - 1.0), np.abs(arg), F32_BOUND["normal_"], 3)
-                     if method == "log_normal_" else F32_BOUND[method])
+        bound = 1 + (
+            lognormal_bound(np.abs(arg - 1.0), np.abs(arg), F32_BOUND["normal_"], 3)
+            if method == "log_normal_"
+            else F32_BOUND[method]
+        )
     else:
         bound = 1
     assert (d <= bound).all(), f"max {d.max()} ulp"

@@ -58,7 +58,8 @@ def _check_same_device(input: torch.Tensor, output: torch.Tensor) -> None:
         raise ValueError(
             f"input is on {input.device} but output is on {output.device}: encrypt/decrypt write "
             "on the input's device; allocate output there (e.g. torch.empty(..., "
-            "device=input.device)) or move one of them with .to()")
+            "device=input.device)) or move one of them with .to()"
+        )
 
 
 def _kernels_for(t: torch.Tensor) -> bool | None:
@@ -161,8 +162,15 @@ def _words(b: torch.Tensor, nbytes: int) -> torch.Tensor:
     return w
 
 
-def _device_crypt(src: torch.Tensor, output: torch.Tensor, key: bytes, mode: str, inverse: bool,
-                  padded: int, interpret: bool) -> None:
+def _device_crypt(
+    src: torch.Tensor,
+    output: torch.Tensor,
+    key: bytes,
+    mode: str,
+    inverse: bool,
+    padded: int,
+    interpret: bool,
+) -> None:
     """``output``'s bytes = the first bytes of AES over ``src``'s bytes padded to ``padded``."""
     from .cuda_backend import aes_crypt_
 
@@ -188,8 +196,9 @@ def _checked(input, output, key, cipher: str, mode: str) -> tuple[torch.Tensor, 
     return input, output, raw_key
 
 
-def encrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
-            cipher: str = "aes128", mode: str = "ecb") -> torch.Tensor:
+def encrypt(
+    input: torch.Tensor, output: torch.Tensor, key: torch.Tensor, cipher: str = "aes128", mode: str = "ecb"
+) -> torch.Tensor:
     """Encrypt ``input``'s bytes into ``output`` with torchcsprng's semantics; returns ``output``.
 
     ``output`` must hold exactly ``input``'s byte count rounded up to a multiple of 16 (the last
@@ -201,8 +210,10 @@ def encrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
     n_in = _nbytes(input)
     padded = -(-n_in // BLOCK) * BLOCK
     if _nbytes(output) != padded:
-        raise ValueError(f"output: expected {padded} bytes (input's {n_in} bytes rounded up to a "
-                         f"multiple of {BLOCK}), got {_nbytes(output)} bytes")
+        raise ValueError(
+            f"output: expected {padded} bytes (input's {n_in} bytes rounded up to a "
+            f"multiple of {BLOCK}), got {_nbytes(output)} bytes"
+        )
     kern = _kernels_for(input)
     if kern is not None:
         _device_crypt(input, output, raw_key, mode, False, padded, kern)
@@ -213,8 +224,9 @@ def encrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
     return output
 
 
-def decrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
-            cipher: str = "aes128", mode: str = "ecb") -> torch.Tensor:
+def decrypt(
+    input: torch.Tensor, output: torch.Tensor, key: torch.Tensor, cipher: str = "aes128", mode: str = "ecb"
+) -> torch.Tensor:
     """Decrypt ``input`` (a multiple of 16 bytes) into ``output``; returns ``output``.
 
     ``output`` may be up to 15 bytes shorter than ``input``: the trailing padding is dropped.
@@ -224,8 +236,10 @@ def decrypt(input: torch.Tensor, output: torch.Tensor, key: torch.Tensor,
     if n_in % BLOCK:
         raise ValueError(f"input: expected a multiple of {BLOCK} bytes, got {n_in} bytes")
     if not 0 <= n_in - n_out < BLOCK:
-        raise ValueError(f"output: expected {n_in - BLOCK + 1} to {n_in} bytes (input's {n_in} "
-                         f"bytes less at most {BLOCK - 1} of padding), got {n_out} bytes")
+        raise ValueError(
+            f"output: expected {n_in - BLOCK + 1} to {n_in} bytes (input's {n_in} "
+            f"bytes less at most {BLOCK - 1} of padding), got {n_out} bytes"
+        )
     kern = _kernels_for(input)
     if kern is not None:
         _device_crypt(input, output, raw_key, mode, True, n_in, kern)
@@ -252,8 +266,13 @@ class GCMCiphertext:
         return iter((self.ciphertext, self.nonce, self.tag))
 
 
-def encrypt_gcm(input: torch.Tensor, key: torch.Tensor | bytes, *, nonce: bytes | None = None,
-                associated_data: bytes | None = None) -> GCMCiphertext:
+def encrypt_gcm(
+    input: torch.Tensor,
+    key: torch.Tensor | bytes,
+    *,
+    nonce: bytes | None = None,
+    associated_data: bytes | None = None,
+) -> GCMCiphertext:
     """Encrypt and authenticate ``input``'s bytes with AES-GCM (16-byte key: AES-128, 32: AES-256).
 
     Runs on the host (OpenSSL): a CUDA input is copied to the CPU, and the ciphertext tensor is
@@ -270,14 +289,18 @@ def encrypt_gcm(input: torch.Tensor, key: torch.Tensor | bytes, *, nonce: bytes 
     aad = None if associated_data is None else _check_bytes("associated_data", associated_data)
     sealed = AESGCM(raw_key).encrypt(nonce, _raw_bytes("input", input).tobytes(), aad)
     body, tag = sealed[:-16], sealed[-16:]
-    ct = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(
-        0, dtype=torch.uint8)
+    ct = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
     return GCMCiphertext(ct.to(input.device), nonce, tag, input.dtype, tuple(input.shape))
 
 
-def decrypt_gcm(ciphertext: torch.Tensor | GCMCiphertext, key: torch.Tensor | bytes,
-                nonce: bytes | None = None, tag: bytes | None = None, *,
-                associated_data: bytes | None = None) -> torch.Tensor:
+def decrypt_gcm(
+    ciphertext: torch.Tensor | GCMCiphertext,
+    key: torch.Tensor | bytes,
+    nonce: bytes | None = None,
+    tag: bytes | None = None,
+    *,
+    associated_data: bytes | None = None,
+) -> torch.Tensor:
     """Verify and decrypt; returns the plaintext bytes as a uint8 tensor.
 
     Pass a :class:`GCMCiphertext`, or the ciphertext tensor with its nonce and tag. Runs on the
@@ -287,8 +310,9 @@ def decrypt_gcm(ciphertext: torch.Tensor | GCMCiphertext, key: torch.Tensor | by
     """
     if isinstance(ciphertext, GCMCiphertext):
         if nonce is not None or tag is not None:
-            raise TypeError("decrypt_gcm: nonce and tag come from the GCMCiphertext; don't pass "
-                            "them separately")
+            raise TypeError(
+                "decrypt_gcm: nonce and tag come from the GCMCiphertext; don't pass them separately"
+            )
         ciphertext, nonce, tag = ciphertext.ciphertext, ciphertext.nonce, ciphertext.tag
     ct = _check_tensor("ciphertext", ciphertext)
     _check_device(ciphertext=ct)
@@ -301,26 +325,27 @@ def decrypt_gcm(ciphertext: torch.Tensor | GCMCiphertext, key: torch.Tensor | by
     try:
         plain = AESGCM(raw_key).decrypt(nonce, _raw_bytes("ciphertext", ct).tobytes() + tag, aad)
     except InvalidTag:
-        raise ValueError("decrypt_gcm: authentication failed (wrong key, nonce, tag or "
-                         "associated data, or the ciphertext was modified)") from None
+        raise ValueError(
+            "decrypt_gcm: authentication failed (wrong key, nonce, tag or "
+            "associated data, or the ciphertext was modified)"
+        ) from None
     if not plain:
         return torch.empty(0, dtype=torch.uint8, device=ct.device)
     return torch.frombuffer(bytearray(plain), dtype=torch.uint8).to(ct.device)
 
 
-def view_as(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size
-            ) -> torch.Tensor:
+def view_as(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
     """Reinterpret a uint8 byte tensor as ``dtype`` with ``shape`` (no copy)."""
     data = _check_tensor("data", data)
     if data.dtype != torch.uint8 or data.dim() != 1:
-        raise TypeError(f"data must be a 1-D uint8 tensor, got {data.dtype} with {data.dim()} "
-                        "dims")
+        raise TypeError(f"data must be a 1-D uint8 tensor, got {data.dtype} with {data.dim()} dims")
     shape = tuple(int(s) for s in shape)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     want = itemsize * int(np.prod(shape, dtype=np.int64)) if shape else itemsize
     if data.numel() != want:
-        raise ValueError(f"data: expected {want} bytes for {dtype} of shape {shape}, got "
-                         f"{data.numel()} bytes")
+        raise ValueError(
+            f"data: expected {want} bytes for {dtype} of shape {shape}, got {data.numel()} bytes"
+        )
     if want == 0:
         return torch.empty(shape, dtype=dtype, device=data.device)
     return data.view(dtype).view(shape)

@@ -29,8 +29,17 @@ import torch
 from .distributions import NativeSampler, blocks_for, default_range
 from .stream import BlockStream, derive_key
 
-SUPPORTED_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_",
-                     "geometric_", "random_", "random_range_", "bernoulli_")
+SUPPORTED_METHODS = (
+    "uniform_",
+    "normal_",
+    "log_normal_",
+    "exponential_",
+    "cauchy_",
+    "geometric_",
+    "random_",
+    "random_range_",
+    "bernoulli_",
+)
 MAX_LANES = 1 << 30  # cipher blocks per launch; larger fills take the CPU path
 _FLOAT_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
@@ -74,7 +83,7 @@ def aes_round_keys(key: bytes) -> list[int]:
     if len(key) != 16:
         raise ValueError(f"expected a 16-byte key, got {len(key)} bytes")
     sbox = aes_sbox()
-    w = [int.from_bytes(key[4 * i:4 * i + 4], "big") for i in range(4)]
+    w = [int.from_bytes(key[4 * i : 4 * i + 4], "big") for i in range(4)]
     rcon = 1
     for i in range(4, 44):
         t = w[i - 1]
@@ -108,8 +117,9 @@ def _inv_mix_column(w: int) -> int:
     """InvMixColumns of one big-endian column word (FIPS-197 5.3.3)."""
     b = w.to_bytes(4, "big")
     rows = [(14, 11, 13, 9), (9, 14, 11, 13), (13, 9, 14, 11), (11, 13, 9, 14)]
-    out = bytes(_gf_mul(b[0], r[0]) ^ _gf_mul(b[1], r[1]) ^ _gf_mul(b[2], r[2]) ^ _gf_mul(b[3], r[3])
-                for r in rows)
+    out = bytes(
+        _gf_mul(b[0], r[0]) ^ _gf_mul(b[1], r[1]) ^ _gf_mul(b[2], r[2]) ^ _gf_mul(b[3], r[3]) for r in rows
+    )
     return int.from_bytes(out, "big")
 
 
@@ -117,8 +127,9 @@ def _inv_mix_column(w: int) -> int:
 def aes_inverse_tables() -> np.ndarray:
     """Td0..Td3 (decryption T-tables, big-endian columns) followed by the inverse S-box."""
     inv = aes_inverse_sbox()
-    t0 = [(_gf_mul(s, 14) << 24) | (_gf_mul(s, 9) << 16) | (_gf_mul(s, 13) << 8) | _gf_mul(s, 11)
-          for s in inv]
+    t0 = [
+        (_gf_mul(s, 14) << 24) | (_gf_mul(s, 9) << 16) | (_gf_mul(s, 13) << 8) | _gf_mul(s, 11) for s in inv
+    ]
     tabs = [t0] + [[((v >> r) | (v << (32 - r))) & 0xFFFFFFFF for v in t0] for r in (8, 16, 24)]
     return np.array([v for t in tabs for v in t] + list(inv), dtype=np.uint32)
 
@@ -132,7 +143,7 @@ def aes_decrypt_table(key: bytes) -> np.ndarray:
     rk = aes_round_keys(key)
     dk: list[int] = []
     for r in range(11):
-        words = rk[4 * (10 - r):4 * (10 - r) + 4]
+        words = rk[4 * (10 - r) : 4 * (10 - r) + 4]
         dk += [_inv_mix_column(w) for w in words] if 0 < r < 10 else words
     dk = dk[:40] + [_bswap32(v) for v in dk[40:]]
     return np.concatenate([aes_inverse_tables(), np.array(dk, dtype=np.uint32)]).view(np.int32)
@@ -213,17 +224,33 @@ def _i64(v: int) -> int:
 class _Launch:
     """Everything one kernel launch needs besides the cipher position."""
 
-    def __init__(self, op: int, wb: int, mbits: int, f64: bool, fp: list[float],
-                 ip: list[int], flag: bool = False, flag2: bool = False,
-                 p: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        op: int,
+        wb: int,
+        mbits: int,
+        f64: bool,
+        fp: list[float],
+        ip: list[int],
+        flag: bool = False,
+        flag2: bool = False,
+        p: torch.Tensor | None = None,
+    ) -> None:
         self.op, self.wb, self.mbits, self.f64 = op, wb, mbits, f64
         self.fp, self.ip, self.flag, self.flag2, self.p = fp, ip, flag, flag2, p
         self.bf16 = False
 
 
-def launch(out: torch.Tensor, table: torch.Tensor, cipher: str, start: int, nunits: int,
-           spec: _Launch, interpret: bool, rejects: tuple[torch.Tensor, torch.Tensor] | None = None
-           ) -> None:
+def launch(
+    out: torch.Tensor,
+    table: torch.Tensor,
+    cipher: str,
+    start: int,
+    nunits: int,
+    spec: _Launch,
+    interpret: bool,
+    rejects: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Run the fill kernel over draw units ``[0, nunits)`` starting at stream block ``start``."""
     k = kernels(interpret)
     dev = out.device
@@ -240,10 +267,33 @@ def launch(out: torch.Tensor, table: torch.Tensor, cipher: str, start: int, nuni
     c = [(first >> (32 * j)) & 0xFFFFFFFF for j in range(4)]
     grid = (-(-lanes // block),)
     extra: dict[str, Any] = {} if interpret else {"enable_fp_fusion": False}
-    k.fill_kernel[grid](out, table, fp, ip, p, cnt, pos, c[0], c[1], c[2], c[3], skip,
-                        out.numel(), lanes, cap, CIPHER=_code(cid), OP=_code(spec.op), WB=spec.wb,
-                        MBITS=spec.mbits, F64=spec.f64, FLAG=spec.flag, FLAG2=spec.flag2,
-                        VIA_F32=spec.bf16, BLOCK=block, **extra)
+    k.fill_kernel[grid](
+        out,
+        table,
+        fp,
+        ip,
+        p,
+        cnt,
+        pos,
+        c[0],
+        c[1],
+        c[2],
+        c[3],
+        skip,
+        out.numel(),
+        lanes,
+        cap,
+        CIPHER=_code(cid),
+        OP=_code(spec.op),
+        WB=spec.wb,
+        MBITS=spec.mbits,
+        F64=spec.f64,
+        FLAG=spec.flag,
+        FLAG2=spec.flag2,
+        VIA_F32=spec.bf16,
+        BLOCK=block,
+        **extra,
+    )
 
 
 def _code(c: Any) -> int:
@@ -251,8 +301,9 @@ def _code(c: Any) -> int:
 
 
 # ---------------------------------------------------------------------------- fills
-def triton_fill_(sampler: Any, tensor: torch.Tensor, method: str, params: tuple,
-                 interpret: bool | None = None) -> bool:
+def triton_fill_(
+    sampler: Any, tensor: torch.Tensor, method: str, params: tuple, interpret: bool | None = None
+) -> bool:
     """Fill ``tensor`` like ``getattr(sampler, method)(tensor, *params)`` with the Triton kernels.
 
     Returns False (having done nothing) when the kernels do not handle this case: another sampler
@@ -275,8 +326,11 @@ def triton_fill_(sampler: Any, tensor: torch.Tensor, method: str, params: tuple,
     n = tensor.numel()
     if blocks_for(n * 8) > MAX_LANES:
         return False
-    dst = tensor if tensor.is_contiguous() else torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                           device=tensor.device)
+    dst = (
+        tensor
+        if tensor.is_contiguous()
+        else torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    )
     _FILLS[method](_Fill(stream, dst.view(-1), tuple(params), p, kernels(interpret)))
     if dst is not tensor:
         tensor.copy_(dst)
@@ -286,24 +340,33 @@ def triton_fill_(sampler: Any, tensor: torch.Tensor, method: str, params: tuple,
 class _Fill:
     """One fill: the stream, the flat output, the call's parameters and the kernels to use."""
 
-    def __init__(self, stream: BlockStream, flat: torch.Tensor, params: tuple, p: Any,
-                 k: ModuleType) -> None:
+    def __init__(self, stream: BlockStream, flat: torch.Tensor, params: tuple, p: Any, k: ModuleType) -> None:
         self.stream, self.flat, self.params, self.p, self.k = stream, flat, params, p, k
         self.dtype = flat.dtype
         self.n = flat.numel()
         # what the kernel writes: bool as uint8, bfloat16 as int16 (the kernel rounds it)
-        self.out = flat.view({torch.bool: torch.uint8, torch.bfloat16: torch.int16}
-                             .get(flat.dtype, flat.dtype))
+        self.out = flat.view(
+            {torch.bool: torch.uint8, torch.bfloat16: torch.int16}.get(flat.dtype, flat.dtype)
+        )
 
     def arg(self, defaults: tuple) -> tuple:
-        return tuple(self.params) + defaults[len(self.params):]
+        return tuple(self.params) + defaults[len(self.params) :]
 
-    def run(self, start: int, nbytes: int, spec: _Launch,
-            rejects: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def run(
+        self, start: int, nbytes: int, spec: _Launch, rejects: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         table = _device_table(self.stream.cipher_name, self.stream.key, self.out.device)
         spec.bf16 = self.dtype == torch.bfloat16
-        launch(self.out, table, self.stream.cipher_name, start, blocks_for(nbytes), spec,
-               self.k.INTERPRETED, rejects)
+        launch(
+            self.out,
+            table,
+            self.stream.cipher_name,
+            start,
+            blocks_for(nbytes),
+            spec,
+            self.k.INTERPRETED,
+            rejects,
+        )
 
 
 def _compute(dtype: torch.dtype) -> tuple[type, int, int]:
@@ -324,9 +387,16 @@ def _uniform(f: _Fill) -> None:
         return
     scale, shift = cd((b - a) * 2.0**-bits), cd(a)
     clamp = not (a == 0.0 and b == 1.0)
-    spec = _Launch(f.k.UNIFORM, wb, bits, cd is np.float64,
-                   [float(scale), float(shift), _below(b, f.dtype) if clamp else 0.0], [],
-                   flag=bool(shift != 0), flag2=clamp)
+    spec = _Launch(
+        f.k.UNIFORM,
+        wb,
+        bits,
+        cd is np.float64,
+        [float(scale), float(shift), _below(b, f.dtype) if clamp else 0.0],
+        [],
+        flag=bool(shift != 0),
+        flag2=clamp,
+    )
     f.run(start, f.n * wb, spec)
 
 
@@ -338,11 +408,17 @@ def _normal_family(log: bool):
         start = f.stream.reserve(blocks_for(nbytes))
         if f.n == 0:
             return
-        spec = _Launch(f.k.LOG_NORMAL if log else f.k.NORMAL, wb, bits, cd is np.float64,
-                       [float(cd(2.0**-bits)), float(cd(2.0 * math.pi * 2.0**-bits)),
-                        float(cd(std)), float(cd(mean))], [],
-                       flag=not (mean == 0.0 and std == 1.0))
+        spec = _Launch(
+            f.k.LOG_NORMAL if log else f.k.NORMAL,
+            wb,
+            bits,
+            cd is np.float64,
+            [float(cd(2.0**-bits)), float(cd(2.0 * math.pi * 2.0**-bits)), float(cd(std)), float(cd(mean))],
+            [],
+            flag=not (mean == 0.0 and std == 1.0),
+        )
         f.run(start, nbytes, spec)
+
     return fill
 
 
@@ -351,8 +427,9 @@ def _exponential(f: _Fill) -> None:
     cd, wb, bits = _compute(f.dtype)
     start = f.stream.reserve(blocks_for(f.n * wb))
     if f.n:
-        spec = _Launch(f.k.EXPONENTIAL, wb, bits, cd is np.float64,
-                       [float(cd(2.0**-bits)), float(cd(-1.0 / lambd))], [])
+        spec = _Launch(
+            f.k.EXPONENTIAL, wb, bits, cd is np.float64, [float(cd(2.0**-bits)), float(cd(-1.0 / lambd))], []
+        )
         f.run(start, f.n * wb, spec)
 
 
@@ -362,9 +439,14 @@ def _cauchy(f: _Fill) -> None:
     bits -= 1  # k + 1/2 must stay exact: one bit fewer
     start = f.stream.reserve(blocks_for(f.n * wb))
     if f.n:
-        spec = _Launch(f.k.CAUCHY, wb, bits, cd is np.float64,
-                       [float(cd(2.0**-bits)), float(cd(math.pi)), float(cd(sigma)),
-                        float(cd(median))], [])
+        spec = _Launch(
+            f.k.CAUCHY,
+            wb,
+            bits,
+            cd is np.float64,
+            [float(cd(2.0**-bits)), float(cd(math.pi)), float(cd(sigma)), float(cd(median))],
+            [],
+        )
         f.run(start, f.n * wb, spec)
 
 
@@ -378,8 +460,11 @@ def _geometric(f: _Fill) -> None:
         return
     # the cap: the dtype's maximum for integers; int64's (2**63 - 1) is applied as an integer
     limit = math.inf if f.dtype.is_floating_point else float(torch.iinfo(f.dtype).max)
-    f.run(start, f.n * 8, _Launch(f.k.GEOMETRIC, 8, 52, True, [math.log1p(-prob), limit], [],
-                                  flag=f.dtype == torch.int64))
+    f.run(
+        start,
+        f.n * 8,
+        _Launch(f.k.GEOMETRIC, 8, 52, True, [math.log1p(-prob), limit], [], flag=f.dtype == torch.int64),
+    )
 
 
 def _random(f: _Fill) -> None:
@@ -395,8 +480,7 @@ def _random_range(f: _Fill) -> None:
     if f.n == 0:
         return
     if r & (r - 1) == 0:
-        f.run(start, f.n * wb, _Launch(f.k.INTEGER, wb, 0, False, [],
-                                       [_i64(r - 1), 0, _i64(low)], flag=True))
+        f.run(start, f.n * wb, _Launch(f.k.INTEGER, wb, 0, False, [], [_i64(r - 1), 0, _i64(low)], flag=True))
         return
     thresh = (1 << (8 * wb)) % r
     spec = _Launch(f.k.INTEGER, wb, 0, False, [], [_i64(r), _i64(thresh), _i64(low)])
@@ -421,8 +505,9 @@ def _reject_capacity(n: int, thresh: int, wb: int) -> int:
     return int(expected + 8 * math.sqrt(expected) + 64)
 
 
-def _refill(stream: BlockStream, start: int, positions: np.ndarray, r: int, low: int, wb: int,
-            out: torch.Tensor) -> None:
+def _refill(
+    stream: BlockStream, start: int, positions: np.ndarray, r: int, low: int, wb: int, out: torch.Tensor
+) -> None:
     """Replace rejected positions, in increasing order, from the draw's ``reject`` stream."""
     refill = BlockStream(derive_key(stream.key, "reject", start), 0, stream.cipher_name)
     word = np.dtype("<u4") if wb == 4 else np.dtype("<u8")
@@ -462,8 +547,10 @@ def _bernoulli_p(out: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     try:
         pt = p.detach().to(out.device, torch.float64).expand(out.shape).contiguous().view(-1)
     except RuntimeError as exc:
-        raise ValueError(f"bernoulli_: p of shape {tuple(p.shape)} does not broadcast "
-                         f"to the output shape {tuple(out.shape)}") from exc
+        raise ValueError(
+            f"bernoulli_: p of shape {tuple(p.shape)} does not broadcast "
+            f"to the output shape {tuple(out.shape)}"
+        ) from exc
     if not bool(((pt >= 0.0) & (pt <= 1.0)).all()):
         raise ValueError("bernoulli_: expected all probabilities in [0, 1]")
     return pt
@@ -489,8 +576,15 @@ def _crypt_table(key: bytes, decrypt: bool, device: torch.device) -> torch.Tenso
     return torch.from_numpy(table).to(device)
 
 
-def aes_crypt_(src: torch.Tensor, dst: torch.Tensor, key: bytes, mode: str, inverse: bool,
-               interpret: bool, first_block: int = 0) -> None:
+def aes_crypt_(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    key: bytes,
+    mode: str,
+    inverse: bool,
+    interpret: bool,
+    first_block: int = 0,
+) -> None:
     """AES-128 over whole 16-byte blocks, on ``src``'s device: ``dst = E(src)`` (int32 words).
 
     ``mode`` is ``"ecb"`` (``inverse`` selects the decryption) or ``"ctr"`` (torchcsprng's counter
@@ -516,8 +610,16 @@ def aes_crypt_(src: torch.Tensor, dst: torch.Tensor, key: bytes, mode: str, inve
     block = 256
     extra: dict[str, Any] = {} if interpret else {"enable_fp_fusion": False}
     k.crypt_kernel[(-(-nblocks // block),)](
-        src, dst, table, nblocks, first_block & 0xFFFFFFFF, first_block >> 32, MODE=_code(code),
-        BLOCK=block, **extra)
+        src,
+        dst,
+        table,
+        nblocks,
+        first_block & 0xFFFFFFFF,
+        first_block >> 32,
+        MODE=_code(code),
+        BLOCK=block,
+        **extra,
+    )
 
 
 # ---------------------------------------------------------------------------- registration

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+# fmt: off
+# (dense kernel code: long argument lists stay packed, one call per line)
 INTERPRETED = bool(knobs.runtime.interpret)
 
 # op and cipher codes (the constexpr OP and CIPHER; kernels may only read constexpr globals)
@@ -570,3 +572,4 @@ def crypt_kernel(in_ptr, out_ptr, tab_ptr, nblocks, f0, f1, MODE: tl.constexpr,
     tl.store(out_ptr + base + 1, y1.to(tl.int32, bitcast=True), mask=live)
     tl.store(out_ptr + base + 2, y2.to(tl.int32, bitcast=True), mask=live)
     tl.store(out_ptr + base + 3, y3.to(tl.int32, bitcast=True), mask=live)
+# fmt: on
