@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import small
 from .ciphers import BLOCK_BYTES
 from .stream import BlockStream, Draw
 
@@ -67,6 +68,12 @@ def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
         nbytes = (b - a) * wbytes
         draw.fill(raw[: nbytes + (-nbytes) % BLOCK_BYTES])
         yield a, b, buf[: (b - a) * words_per_item]
+
+
+def _signed(w: np.ndarray) -> np.ndarray:
+    """``w`` viewed as signed integers: NumPy converts those to floats faster than unsigned ones
+    (the same values, since every caller has masked the words below the sign bit)."""
+    return w.view(w.dtype.str.replace("u", "i"))
 
 
 def _words(n: int, word_dtype: type) -> np.ndarray:
@@ -175,6 +182,10 @@ class NativeSampler:
             raise ValueError(f"uniform_: to - from must be finite, got {b - a}")
         n = out.numel()
         bits = _MANTISSA_BITS[out.dtype]
+        if 0 < n <= small.SMALL_ITEMS:
+            clamp = out.dtype == torch.float64 and a != b and not (a == 0.0 and b == 1.0)
+            if small.uniform(self.stream, out, n, a, b, bits, _below(b, out.dtype) if clamp else b):
+                return
         if out.dtype == torch.float64:
             word, cd = np.uint64, np.float64
         elif out.dtype == torch.float32:
@@ -193,7 +204,7 @@ class NativeSampler:
             np.bitwise_and(w, mask, out=w)
             dst = sink.direct(lo, hi, cd)
             tmp = dst if dst is not None else np.empty(hi - lo, cd)
-            np.multiply(w, scale, out=tmp, dtype=cd, casting="unsafe")
+            np.multiply(_signed(w), scale, out=tmp, dtype=cd, casting="unsafe")
             if shift != 0:
                 np.add(tmp, shift, out=tmp)
             if dst is None:
@@ -244,24 +255,24 @@ class NativeSampler:
             r, th, c = np.empty(m, cd), np.empty(m, cd), np.empty(m, cd)
             # radius from u1 = (k + 1) * 2**-bits in (0, 1]; angle from u2 = k * 2**-bits
             np.add(k[0], 1, out=k[0])
-            np.multiply(k[0], unit, out=r, dtype=cd, casting="unsafe")
+            ks = _signed(k)
+            np.multiply(ks[0], unit, out=r, dtype=cd, casting="unsafe")
             np.log(r, out=r)
             np.multiply(r, cd(-2.0), out=r)
             np.sqrt(r, out=r)
-            np.multiply(k[1], angle, out=th, dtype=cd, casting="unsafe")
+            np.multiply(ks[1], angle, out=th, dtype=cd, casting="unsafe")
             np.cos(th, out=c)
             np.sin(th, out=th)
-            np.multiply(c, r, out=c)
-            np.multiply(th, r, out=th)
-            for part in (c, th):
-                if affine:
-                    np.multiply(part, std_c, out=part)
-                    np.add(part, mean_c, out=part)
-                if log:
-                    np.exp(part, out=part)
             dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
             z = dst if dst is not None else np.empty(2 * m, cd)
-            np.stack((c, th), axis=1, out=z.reshape(m, 2))
+            pairs_out = z.reshape(m, 2)  # (cos, sin) of each pair, interleaved
+            np.multiply(c, r, out=pairs_out[:, 0])
+            np.multiply(th, r, out=pairs_out[:, 1])
+            if affine:
+                np.multiply(z, std_c, out=z)
+                np.add(z, mean_c, out=z)
+            if log:
+                np.exp(z, out=z)
             if dst is None:
                 sink.write(lo, hi, z[: hi - lo])
 
@@ -286,7 +297,7 @@ class NativeSampler:
             np.bitwise_and(w, mask, out=w)
             dst = sink.direct(lo, hi, cd)
             u = dst if dst is not None else np.empty(hi - lo, cd)
-            np.add(w, cd(offset), out=u, dtype=cd, casting="unsafe")
+            np.add(_signed(w), cd(offset), out=u, dtype=cd, casting="unsafe")
             np.multiply(u, unit, out=u)
             transform(u, cd)
             if dst is None:
@@ -376,12 +387,21 @@ class NativeSampler:
         n = out.numel()
         r = high - low
         wide = r > 1 << 32
+        offset = np.uint64(low % (1 << 64))
+        if 0 < n <= small.SMALL_ITEMS:
+            done = small.integers(self.stream, out, n, low, r)
+            if done is not None:
+                start, bad = done
+                if bad:
+                    dst = out.view(-1).numpy().view(np.uint64) if dtype == torch.int64 else None
+                    draw = Draw(self.stream, start, blocks_for(n * (8 if wide else 4)))
+                    self._refill_integers(draw, np.array(bad, np.int64), r, offset, out, dst)
+                return
         draw = self._draw(n * (8 if wide else 4))
         if n == 0:
             return
         dst = out.view(-1).numpy().view(np.uint64) if dtype == torch.int64 else None
         sink = None if dst is not None else _Sink(out)
-        offset = np.uint64(low % (1 << 64))
         rejected: list[np.ndarray] = []
         word = np.uint64 if wide else np.uint32
 
@@ -444,6 +464,9 @@ class NativeSampler:
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"bernoulli_: expected p in [0, 1], got {p}")
             pn = None
+        if pn is None and 0.0 < p < 1.0 and 0 < n <= small.SMALL_ITEMS and small.bernoulli(
+                self.stream, out, n, math.floor(math.ldexp(p, 64))):
+            return
         draw = self._draw(n * 8)
         if n == 0:
             return

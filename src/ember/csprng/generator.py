@@ -34,6 +34,9 @@ KINDS = ("random_device", "seeded", "keyed", "derived", "mt19937")
 _GUARD_SEED = 0x656D626572  # seeds the unused inherited state; any draw from it changes the state
 
 
+_get_state = torch.Generator.get_state  # the inherited state, read on every ember call
+
+
 class InheritedStateUsed(RuntimeError):
     """A torch function drew from the generator's inherited (non-secure) torch state."""
 
@@ -50,7 +53,7 @@ class Generator(torch.Generator):
     def __init__(self) -> None:
         super().__init__()  # CPU; extra arguments cannot be forwarded to torch.Generator
         torch.Generator.manual_seed(self, _GUARD_SEED)
-        self._guard = bytes(torch.Generator.get_state(self).numpy())
+        self._guard = _get_state(self).numpy().tobytes()
         self._lock = threading.Lock()
         self._spawned = 0
         self._seed: int | None = None
@@ -108,7 +111,7 @@ class Generator(torch.Generator):
 
     def sampler(self) -> Any:
         """The sampler that produces this generator's values, after checking the inherited state."""
-        if bytes(torch.Generator.get_state(self).numpy()) != self._guard:
+        if _get_state(self).numpy().tobytes() != self._guard:
             torch.Generator.set_state(self, _guard_state())
             raise InheritedStateUsed(
                 "a torch function drew from this ember.csprng.Generator's inherited torch "

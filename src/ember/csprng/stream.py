@@ -89,11 +89,7 @@ class BlockStream:
             start = self._counter
             end = start + nblocks
             if end > COUNTER_LIMIT:
-                raise CounterExhausted(
-                    f"ember.csprng: drawing {nblocks} blocks would pass the end of the 2**128 "
-                    f"counter space (at {start}); re-key the generator (manual_seed/seed) or use "
-                    "fold_in/spawn for a fresh stream"
-                )
+                raise self._exhausted(nblocks, start)
             self._counter = end
             return start
 
@@ -110,6 +106,37 @@ class BlockStream:
         with self._lock:
             if self._counter == position:
                 self._cached = (position, writer)
+
+    def take(self, nblocks: int) -> tuple[int, bytearray]:
+        """Reserve ``nblocks`` blocks and return (first block, their keystream): for small draws.
+
+        The same as ``draw(nblocks)`` filled in one go, with one lock round trip fewer.
+        """
+        with self._lock:
+            start = self._counter
+            end = start + nblocks
+            if end > COUNTER_LIMIT:
+                raise self._exhausted(nblocks, start)
+            self._counter = end
+            cached, self._cached = self._cached, None
+        if cached is not None and cached[0] == start:
+            writer = cached[1]
+        else:
+            writer = self._cipher.keystream(self._key, start)
+        buf = bytearray(nblocks * BLOCK_BYTES)
+        writer.fill(memoryview(buf))
+        with self._lock:
+            if self._counter == end:
+                self._cached = (end, writer)
+        return start, buf
+
+    @staticmethod
+    def _exhausted(nblocks: int, start: int) -> CounterExhausted:
+        return CounterExhausted(
+            f"ember.csprng: drawing {nblocks} blocks would pass the end of the 2**128 "
+            f"counter space (at {start}); re-key the generator (manual_seed/seed) or use "
+            "fold_in/spawn for a fresh stream"
+        )
 
     def draw(self, nblocks: int) -> Draw:
         """Reserve ``nblocks`` blocks and return the object that writes their keystream."""

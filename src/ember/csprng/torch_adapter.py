@@ -40,30 +40,36 @@ def _bump_version(t: torch.Tensor) -> None:
     torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
 
 
-def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any) -> torch.Tensor:
-    """Fill ``t`` in place with ``generator``'s sampler ``method``, on any device and layout."""
+def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
+          fresh: bool = False) -> torch.Tensor:
+    """Fill ``t`` in place with ``generator``'s sampler ``method``, on any device and layout.
+
+    ``fresh`` says that ``t`` was just created here, so no one else can hold it: no autograd
+    checks and no version bump are needed.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{method}: only strided tensors are supported, got {t.layout}")
-    if t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
+    if not fresh and t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation.")
     sampler = generator.sampler()
     if t.is_complex():
         fill_(torch.view_as_real(t), generator, method, *_complex_params(method, params))
         return t
-    backend = _DEVICE_BACKENDS.get(t.device.type)
-    if backend is not None and backend(sampler, t, method, params):
-        return t
-    if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+    if not t.is_cpu:
+        backend = _DEVICE_BACKENDS.get(t.device.type)
+        if backend is not None and backend(sampler, t, method, params):
+            return t
+    elif t.is_contiguous() and not t.is_conj() and not t.is_neg():
         getattr(sampler, method)(t, *params)
-        if t.numel():
+        if not fresh and t.numel():
             _bump_version(t)
-    else:
-        tmp = torch.empty(t.shape, dtype=t.dtype)
-        getattr(sampler, method)(tmp, *params)
-        t.copy_(tmp)
+        return t
+    tmp = torch.empty(t.shape, dtype=t.dtype)
+    getattr(sampler, method)(tmp, *params)
+    t.copy_(tmp)
     return t
 
 
@@ -91,8 +97,11 @@ def _size(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
 
 
 def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None = None
-         ) -> tuple[torch.Tensor, bool]:
-    """The output tensor of a factory call (``out=`` if given) and its requires_grad flag."""
+         ) -> tuple[torch.Tensor, bool, bool]:
+    """The output tensor of a factory call (``out=`` if given), its requires_grad flag, and
+    whether the tensor is new (not the caller's ``out=``)."""
+    if len(kwargs) == 1:  # generator= alone: the common call, kept short
+        return torch.empty(size, dtype=default_dtype), False, True
     out = kwargs.pop("out", None)
     dtype = kwargs.pop("dtype", None) or default_dtype
     requires_grad = bool(kwargs.pop("requires_grad", False))
@@ -107,16 +116,16 @@ def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None 
         if dtype is not None and out.dtype != dtype:
             raise RuntimeError(f"dtype {dtype} does not match the dtype of out= ({out.dtype})")
         out.resize_(size)
-        return out, requires_grad
+        return out, requires_grad, False
     t = torch.empty(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
-    return t, requires_grad
+    return t, requires_grad, True
 
 
 def _finish(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return t.requires_grad_() if requires_grad else t
 
 
-def _new_like(input: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool]:
+def _new_like(input: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool, bool]:
     kwargs.pop("generator", None)
     requires_grad = bool(kwargs.pop("requires_grad", False))
     t = torch.empty_like(input, dtype=kwargs.pop("dtype", None), layout=kwargs.pop("layout", None),
@@ -124,7 +133,7 @@ def _new_like(input: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool]:
                          memory_format=kwargs.pop("memory_format", torch.preserve_format))
     if kwargs:
         raise TypeError(f"unexpected keyword arguments: {sorted(kwargs)}")
-    return t, requires_grad
+    return t, requires_grad, True
 
 
 def _pick(args: Sequence[Any], kwargs: dict, names: Sequence[str], defaults: Sequence[Any]
@@ -143,26 +152,26 @@ def _pick(args: Sequence[Any], kwargs: dict, names: Sequence[str], defaults: Seq
 # ---------------------------------------------------------------------- factories
 def _rand(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
-    t, rg = _new(_size(args, kwargs), kwargs)
-    return _finish(fill_(t, g, "uniform_", 0.0, 1.0), rg)
+    t, rg, fresh = _new(_size(args, kwargs), kwargs)
+    return _finish(fill_(t, g, "uniform_", 0.0, 1.0, fresh=fresh), rg)
 
 
 def _randn(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
-    t, rg = _new(_size(args, kwargs), kwargs)
-    return _finish(fill_(t, g, "normal_", 0.0, 1.0), rg)
+    t, rg, fresh = _new(_size(args, kwargs), kwargs)
+    return _finish(fill_(t, g, "normal_", 0.0, 1.0, fresh=fresh), rg)
 
 
 def _rand_like(input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
-    t, rg = _new_like(input, kwargs)
-    return _finish(fill_(t, g, "uniform_", 0.0, 1.0), rg)
+    t, rg, fresh = _new_like(input, kwargs)
+    return _finish(fill_(t, g, "uniform_", 0.0, 1.0, fresh=fresh), rg)
 
 
 def _randn_like(input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
-    t, rg = _new_like(input, kwargs)
-    return _finish(fill_(t, g, "normal_", 0.0, 1.0), rg)
+    t, rg, fresh = _new_like(input, kwargs)
+    return _finish(fill_(t, g, "normal_", 0.0, 1.0, fresh=fresh), rg)
 
 
 def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -182,8 +191,8 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
         raise TypeError("randint() missing the high argument")
     if args:
         raise TypeError("randint(): too many positional arguments")
-    t, rg = _new(_size((), kwargs), kwargs, default_dtype=torch.int64)
-    return _finish(fill_(t, g, "random_range_", int(low), int(high)), rg)
+    t, rg, fresh = _new(_size((), kwargs), kwargs, default_dtype=torch.int64)
+    return _finish(fill_(t, g, "random_range_", int(low), int(high), fresh=fresh), rg)
 
 
 def _randint_like(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -197,8 +206,8 @@ def _randint_like(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tenso
         low, high = kwargs.pop("low", 0), args[0]
     else:
         raise TypeError("randint_like() missing the high argument")
-    t, rg = _new_like(input, kwargs)
-    return _finish(fill_(t, g, "random_range_", int(low), int(high)), rg)
+    t, rg, fresh = _new_like(input, kwargs)
+    return _finish(fill_(t, g, "random_range_", int(low), int(high), fresh=fresh), rg)
 
 
 def _randperm(n: int, **kwargs: Any) -> torch.Tensor:
@@ -206,8 +215,8 @@ def _randperm(n: int, **kwargs: Any) -> torch.Tensor:
     n = int(n)
     if n < 0:
         raise RuntimeError(f"randperm: n must be non-negative, got {n}")
-    t, rg = _new((n,), kwargs, default_dtype=torch.int64)
-    return _finish(fill_(t, g, "randperm_"), rg)
+    t, rg, fresh = _new((n,), kwargs, default_dtype=torch.int64)
+    return _finish(fill_(t, g, "randperm_", fresh=fresh), rg)
 
 
 def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -219,8 +228,8 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
         size = args[2] if len(args) >= 3 else kwargs.pop("size")
         if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
             raise TypeError("normal(mean, std, size) takes float mean and std")
-        t, rg = _new(_size((size,), {}), kwargs)
-        return _finish(fill_(t, g, "normal_", float(mean), float(std)), rg)
+        t, rg, fresh = _new(_size((size,), {}), kwargs)
+        return _finish(fill_(t, g, "normal_", float(mean), float(std), fresh=fresh), rg)
     mean, std = _pick(args, {k: kwargs.pop(k) for k in ("mean", "std") if k in kwargs},
                       ("mean", "std"), (0.0, 1.0))
     out = kwargs.pop("out", None)

@@ -1,0 +1,94 @@
+"""Tiny draws in plain Python: the same values as the NumPy transforms, at a fraction of the cost.
+
+For a handful of values the NumPy path spends most of its time setting up arrays and ufunc calls.
+The transforms here cover only the cases whose arithmetic Python reproduces exactly (integer ops,
+and float products and sums that are exact or rounded once in the output's own precision), so a
+value never depends on which path made it. Anything else (transcendental transforms, bfloat16,
+float32 affine ranges) stays on the NumPy path.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from .ciphers import BLOCK_BYTES
+from .stream import BlockStream
+
+SMALL_ITEMS = 64  # draws of at most this many values take the plain-Python path
+
+# struct codes of the output dtypes this path can write
+_CODE = {
+    torch.float64: "d", torch.float32: "f", torch.float16: "e", torch.bool: "?",
+    torch.int64: "q", torch.int32: "i", torch.int16: "h", torch.int8: "b", torch.uint8: "B",
+}
+_WORD = {2: "H", 4: "I", 8: "Q"}
+
+
+def _words(stream: BlockStream, n: int, size: int) -> tuple[int, tuple[int, ...]]:
+    """Reserve the blocks of ``n`` words of ``size`` bytes; return (first block, the words)."""
+    nbytes = n * size
+    start, buf = stream.take(-(-nbytes // BLOCK_BYTES))
+    return start, struct.unpack_from(f"<{n}{_WORD[size]}", buf)
+
+
+def _write(out: torch.Tensor, values: list) -> None:
+    struct.pack_into(f"={len(values)}{_CODE[out.dtype]}", out.numpy(), 0, *values)
+
+
+def uniform(stream: BlockStream, out: torch.Tensor, n: int, a: float, b: float,
+            bits: int, below: float) -> bool:
+    """uniform_ for float64 (any range) and float32/float16 on [0, 1); False if not covered."""
+    dtype = out.dtype
+    if dtype == torch.float64:
+        _, w = _words(stream, n, 8)
+        mask, scale = (1 << bits) - 1, (b - a) * 2.0**-bits
+        if a == 0.0 and b == 1.0:
+            _write(out, [(x & mask) * scale for x in w])
+        elif a == b:
+            _write(out, [a] * n)
+        else:  # the NumPy path: k * scale, + a, then clamped below b (all in float64)
+            _write(out, [min((x & mask) * scale + a, below) for x in w])
+        return True
+    if dtype not in (torch.float32, torch.float16) or not (a == 0.0 and b == 1.0):
+        return False
+    _, w = _words(stream, n, 4 if dtype == torch.float32 else 2)
+    mask, scale = (1 << bits) - 1, 2.0**-bits  # k * 2**-bits is exact in the output dtype
+    _write(out, [(x & mask) * scale for x in w])
+    return True
+
+
+def integers(stream: BlockStream, out: torch.Tensor, n: int, low: int, r: int):
+    """random_range_ values; returns (first block, rejected positions) or None if not covered.
+
+    Rejected positions hold placeholders; the caller replaces them from the refill stream.
+    """
+    if out.dtype not in _CODE:
+        return None
+    wide = r > 1 << 32
+    bits = 64 if wide else 32
+    start, w = _words(stream, n, bits // 8)
+    if r & (r - 1) == 0:
+        mask = min(r, 1 << bits) - 1
+        _write(out, [low + (x & mask) for x in w])
+        return start, []
+    full = (1 << bits) - 1
+    threshold = (1 << bits) % r
+    values, rejected = [], []
+    for i, x in enumerate(w):
+        p = x * r  # Lemire: keep floor(p / 2**bits) unless p's low bits fall below 2**bits mod r
+        if p & full < threshold:
+            rejected.append(i)
+        values.append(low + (p >> bits))
+    _write(out, values)
+    return start, rejected
+
+
+def bernoulli(stream: BlockStream, out: torch.Tensor, n: int, threshold: int) -> bool:
+    """bernoulli_ with a scalar p: 1 where the 64-bit word is below ``threshold``."""
+    if out.dtype not in _CODE:
+        return False
+    _, w = _words(stream, n, 8)
+    _write(out, [x < threshold for x in w])
+    return True
