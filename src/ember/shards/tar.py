@@ -1,15 +1,26 @@
 """A streaming reader for POSIX tar archives (USTAR, GNU and PAX long names) that yields members.
 
-It reads headers and data straight from a byte stream or a memory map, verifies header checksums,
-and reports the byte offset of any corruption or truncation. Only regular files are yielded.
+It reads headers and data straight from a memory map or, for other byte streams, through large
+chunks, verifies header checksums, and reports the byte offset of any corruption or truncation.
+Only regular files are yielded.
+
+Where an archive may end: only after its end-of-archive zero block(s) (a single one is
+tolerated). Ending anywhere else raises TruncatedShardError naming the offset where the bytes ran
+out, after every member that is complete before that point: inside a header, member data or
+padding, right after a long-name record, and also right after a complete member with no
+end-of-archive blocks. GNU tar accepts that last case, but a shard cut at a member boundary looks
+exactly like it and the sample in progress may have lost members, so a reader must not treat it
+as a clean end. A gzip stream that ends before its end-of-stream marker is truncated for the same
+reason, wherever the cut falls in the tar stream.
 """
 
 from __future__ import annotations
 
-import gzip
 import io
 import mmap
 import os
+import stat
+import struct
 import zlib
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -20,44 +31,42 @@ __all__ = ["iter_members", "scan_members", "open_tar_source", "memory_source", "
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
-_SPACES = b" " * 8
 _CHUNK = 1 << 20
-_REGULAR = (b"0", b"\x00", b"7")
+_GZ_INPUT = 1 << 18  # compressed bytes per read, small enough to keep zlib's leftovers cheap
+_CACHE = 4096  # entries per field-value cache
+# name, size, chksum and typeflag: the only fields a reader of regular files needs
+_HEADER = struct.Struct("100s24x12s12x8sB")
+_USTAR = b"ustar\x00"
+_REGULAR = (ord("0"), 0, ord("7"))
+_LONGNAME, _PAX, _GLOBAL_PAX = ord("L"), ord("x"), ord("g")
+_EXTENDED = (_LONGNAME, _PAX, _GLOBAL_PAX)
+_LONGLINK = ord("K")  # a GNU long link target: only links have one
+_UNSUPPORTED = (ord("S"), ord("M"))
 
 
 class _MemorySource:
-    """Reads a whole archive that is already addressable in memory (a memory-mapped file)."""
+    """An archive that is addressable in memory as a whole (a memory-mapped file, bytes)."""
 
     def __init__(self, buf, url: str, closer=None):
         self.buf = buf
+        self.base = 0  # absolute offset of buf[0]
         self.end = len(buf)
-        self.pos = 0
         self.url = url
         self._closer = closer
 
-    def take(self, n: int) -> bytes:
-        p = self.pos
-        q = p + n
-        if q > self.end:
-            raise TruncatedShardError(
-                f"archive ends inside a {n}-byte read ({self.end - p} bytes left)", self.url, p
-            )
-        self.pos = q
-        return self.buf[p:q]
+    def refill(self, pos: int, need: int) -> int:
+        """Make ``need`` bytes from window offset ``pos`` available; return their new offset
+        (here everything already is in the window)."""
+        return pos
 
-    def header(self) -> bytes | None:
-        p = self.pos
-        if p + BLOCK > self.end:
-            if p == self.end:
-                return None
-            raise TruncatedShardError("archive ends inside a header block", self.url, p)
-        self.pos = p + BLOCK
-        return self.buf[p : p + BLOCK]
+    def truncated(self, what: str, at: int) -> TruncatedShardError:
+        return TruncatedShardError(f"archive ends {what}", self.url, at)
 
-    def skip(self, n: int) -> None:
-        if self.pos + n > self.end:
-            raise TruncatedShardError("archive ends inside member data", self.url, self.pos)
-        self.pos += n
+    def take(self, start: int, size: int, padded: int, with_data: bool, what: str) -> bytes | None:
+        """Consume a member's padded data that runs past the window: here, always truncation."""
+        if start + size > self.end:
+            raise self.truncated(f"inside the data of {what}", self.end)
+        raise self.truncated(f"inside the padding after {what}", self.end)
 
     def close(self) -> None:
         if self._closer is not None:
@@ -66,166 +75,220 @@ class _MemorySource:
 
 
 class _StreamSource:
-    """Reads an archive from a sequential byte stream through a large buffer."""
+    """An archive read sequentially from a byte stream, one large chunk (the window) at a time.
 
-    def __init__(self, stream: BinaryIO, url: str, closer=None):
+    ``buf`` holds the stream's bytes from absolute offset ``base``; members inside the window are
+    sliced out of it (one copy), members that run past it are read straight from the stream.
+    """
+
+    def __init__(self, stream, url: str, head: bytes = b""):
         self.stream = stream
         self.url = url
-        self.buf = b""
-        self.bpos = 0
-        self.pos = 0  # absolute offset of buf[bpos]
-        self._closer = closer
+        self.buf = head
+        self.base = 0
+        self.end = len(head)
 
     def _read(self, n: int) -> bytes:
         try:
             return self.stream.read(n)
         except ShardError:
             raise
-        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise ShardError(f"gzip stream is corrupt or truncated ({exc})", self.url, self.pos) from exc
         except OSError as exc:
-            raise ShardError(f"read failed: {exc}", self.url, self.pos) from exc
+            raise ShardError(f"read failed: {exc}", self.url, self.base + self.end) from exc
 
-    def take(self, n: int) -> bytes:
-        b = self.bpos
-        if b + n <= len(self.buf):
-            self.bpos = b + n
-            self.pos += n
-            return self.buf[b : b + n]
-        parts = [self.buf[b:]]
-        have = len(parts[0])
-        self.buf = b""
-        self.bpos = 0
+    def _read_exact(self, n: int) -> bytes:
+        """Up to ``n`` bytes: fewer only at the end of the stream."""
+        data = self._read(n)
+        if len(data) >= n or not data:
+            return data
+        parts = [data]
+        have = len(data)
         while have < n:
-            need = n - have
-            chunk = self._read(max(need, _CHUNK) if need < _CHUNK else need)
+            chunk = self._read(n - have)
             if not chunk:
-                raise TruncatedShardError(
-                    f"archive ends inside a {n}-byte read ({have} bytes left)", self.url, self.pos
-                )
-            if len(chunk) > need:
-                parts.append(chunk[:need])
-                self.buf = chunk
-                self.bpos = need
-                have = n
+                break
+            parts.append(chunk)
+            have += len(chunk)
+        return b"".join(parts)
+
+    def refill(self, pos: int, need: int) -> int:
+        """Start the window at ``pos`` holding at least ``need`` bytes, or all that is left;
+        return the new offset of those bytes (0)."""
+        tail = self.buf[pos : self.end]
+        base = self.base + pos
+        if tail:
+            # complete what straddles the chunk boundary with a small read, so the next chunk
+            # is read whole into a fresh window instead of being copied behind the tail
+            buf = tail + self._read_exact(need - len(tail)) if len(tail) < need else tail
+        else:
+            buf = self._read(max(need, _CHUNK))
+            if 0 < len(buf) < need:
+                buf += self._read_exact(need - len(buf))
+        self.buf, self.base, self.end = buf, base, len(buf)
+        return 0
+
+    def take(self, start: int, size: int, padded: int, with_data: bool, what: str) -> bytes | None:
+        """Consume ``padded`` bytes from window offset ``start``; return the first ``size``.
+
+        Afterwards the window is empty and starts right after the padding.
+        """
+        have = self.end - start
+        at = self.base + start
+        data = None
+        if with_data:
+            if have >= size:
+                data = self.buf[start : start + size]
             else:
-                parts.append(chunk)
-                have += len(chunk)
-        self.pos += n
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def header(self) -> bytes | None:
-        if self.bpos == len(self.buf):
-            chunk = self._read(_CHUNK)
+                rest = self._read_exact(size - have)
+                if have + len(rest) < size:
+                    raise self.truncated(f"inside the data of {what}", at + have + len(rest))
+                data = self.buf[start : self.end] + rest if have else rest
+                have = size
+        left = padded - have
+        while left > 0:
+            chunk = self._read(min(left, _CHUNK))
             if not chunk:
-                return None
-            self.buf = chunk
-            self.bpos = 0
-        return self.take(BLOCK)
+                inside = "padding after" if padded - left >= size else "data of"
+                raise self.truncated(f"inside the {inside} {what}", at + padded - left)
+            left -= len(chunk)
+        self.buf, self.base, self.end = b"", at + padded, 0
+        return data
 
-    def skip(self, n: int) -> None:
-        avail = len(self.buf) - self.bpos
-        if n <= avail:
-            self.bpos += n
-            self.pos += n
-            return
-        self.pos += avail
-        n -= avail
-        self.buf = b""
-        self.bpos = 0
-        while n > 0:
-            chunk = self._read(min(n, _CHUNK))
-            if not chunk:
-                raise TruncatedShardError("archive ends inside member data", self.url, self.pos)
-            self.pos += len(chunk)
-            n -= len(chunk)
+    def truncated(self, what: str, at: int) -> TruncatedShardError:
+        why = getattr(self.stream, "truncated", None)
+        return TruncatedShardError(f"archive ends {what}" + (f"; {why}" if why else ""), self.url, at)
 
     def close(self) -> None:
-        if self._closer is not None:
-            closer, self._closer = self._closer, None
-            closer()
+        self.buf = b""  # the caller closes the stream
+
+
+class _Gunzip:
+    """Decompresses a gzip stream (concatenated members and zero padding allowed) on read().
+
+    A stream that ends before a member's end-of-stream marker reads as the end of the data, with
+    ``truncated`` saying so: the tar reader then decides whether anything was lost (nothing is,
+    if the cut falls after the end-of-archive blocks).
+    """
+
+    def __init__(self, raw, url: str, head: bytes = b""):
+        self.raw = raw
+        self.url = url
+        self._d = zlib.decompressobj(31)
+        self._input = head
+        self._block = b""  # the last decompressed block, returned from self._at on
+        self._at = 0
+        self._out = 0  # uncompressed bytes decompressed so far
+        self.truncated: str | None = None
+
+    def _raw_read(self) -> bytes:
+        try:
+            return self.raw.read(_GZ_INPUT)
+        except ShardError:
+            raise
+        except OSError as exc:
+            raise ShardError(f"read failed: {exc}", self.url, self._out) from exc
+
+    def _inflate(self) -> bytes:
+        """The next block of uncompressed data (at most _CHUNK bytes), or b"" at the end."""
+        while True:
+            d = self._d
+            if self._input:
+                inp, self._input = self._input, b""
+            elif d.eof:
+                # another gzip member may follow; zero bytes after the last one are padding
+                rest = d.unused_data.lstrip(b"\x00")
+                while not rest:
+                    chunk = self._raw_read()
+                    if not chunk:
+                        return b""
+                    rest = chunk.lstrip(b"\x00")
+                self._d = d = zlib.decompressobj(31)
+                inp = rest
+            elif d.unconsumed_tail:
+                inp = d.unconsumed_tail
+            else:
+                inp = self._raw_read()
+                if not inp:
+                    self.truncated = "the gzip stream ends before its end-of-stream marker"
+                    return b""
+            try:
+                out = d.decompress(inp, _CHUNK)
+            except zlib.error as exc:
+                raise ShardError(f"gzip stream is corrupt ({exc})", self.url, self._out) from exc
+            if out:
+                self._out += len(out)
+                return out
+
+    def read(self, n: int) -> bytes:
+        at = self._at
+        block = self._block
+        if at >= len(block):
+            block, at = self._inflate(), 0
+            if at + n >= len(block):
+                self._block, self._at = b"", 0
+                return block
+            self._block = block
+        self._at = at + n
+        return block[at : at + n]
 
 
 def _is_regular_file(stream) -> bool:
     try:
         fd = stream.fileno()
-    except (AttributeError, OSError, io.UnsupportedOperation):
-        return False
-    try:
-        import stat
-
         return stat.S_ISREG(os.fstat(fd).st_mode) and stream.seekable()
-    except OSError:
+    except (AttributeError, OSError, io.UnsupportedOperation):
         return False
 
 
 def open_tar_source(stream: BinaryIO, url: str):
     """Wrap an open byte stream for tar parsing; gzip is detected by its magic bytes.
 
-    Regular local files are memory-mapped; anything else is read sequentially.
+    A regular local file read from its start is memory-mapped (copying a member out of the map
+    is faster than reading it, measured against os.pread and buffered reads); anything else is
+    read sequentially. The caller still closes ``stream``; closing the source releases the map.
     """
-    if _is_regular_file(stream):
-        start = stream.tell()
-        magic = stream.read(2)
-        stream.seek(start)
-        size = os.fstat(stream.fileno()).st_size - start
-        if magic == b"\x1f\x8b":
-            return _StreamSource(gzip.GzipFile(fileobj=stream, mode="rb"), url)
-        if size <= 0:
+    if _is_regular_file(stream) and stream.tell() == 0:
+        size = os.fstat(stream.fileno()).st_size
+        if size == 0:
             raise ShardError("empty file, not a tar archive", url, 0)
-        if start == 0:
-            mm = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
-            return _MemorySource(mm, url, closer=mm.close)
-        return _StreamSource(stream, url)
+        if stream.read(2) == b"\x1f\x8b":
+            stream.seek(0)
+            return _StreamSource(_Gunzip(stream, url), url)
+        mm = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+        return _MemorySource(mm, url, closer=mm.close)
     first = stream.read(2)
+    if len(first) == 1:  # a raw stream may return less than asked for
+        first += stream.read(1)
     if not first:
         raise ShardError("empty stream, not a tar archive", url, 0)
-    rest = _Prepend(first, stream)
     if first == b"\x1f\x8b":
-        return _StreamSource(gzip.GzipFile(fileobj=rest, mode="rb"), url)
-    return _StreamSource(rest, url)
+        return _StreamSource(_Gunzip(stream, url, head=first), url)
+    return _StreamSource(stream, url, head=first)
 
 
-class _Prepend(io.RawIOBase):
-    """A stream that first returns some already-read bytes, then the rest of another stream."""
-
-    def __init__(self, head: bytes, stream):
-        self._head = head
-        self._stream = stream
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        if self._head:
-            head, self._head = self._head, b""
-            if n < 0:
-                return head + self._stream.read()
-            if n <= len(head):
-                self._head = head[n:]
-                return head[:n]
-            return head + self._stream.read(n - len(head))
-        return self._stream.read(n)
-
-    def readinto(self, b) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-
-def _checksum_ok(h: bytes) -> bool:
-    field = h[148:156]
+def _stored_checksum(field: bytes) -> int | None:
     try:
-        stored = int(field.replace(b"\x00", b" ").strip() or b"-1", 8)
+        return int(field.partition(b"\x00")[0], 8)
     except ValueError:
-        return False
-    # adler32's low half is 1 + (byte sum mod 65521): the unsigned sum checked at C speed.
-    a = zlib.adler32(h[156:], zlib.adler32(_SPACES, zlib.adler32(h[:148])))
-    if ((a & 0xFFFF) - 1) % 65521 == stored % 65521:
-        return True
-    # some old writers summed signed bytes
-    signed = sum((x - 256 if x > 127 else x) for x in h[:148] + _SPACES + h[156:])
-    return stored == signed
+        return None
+
+
+def _expected_adler(field: bytes) -> int:
+    """The low half of zlib.adler32 of a header block whose checksum field is ``field``.
+
+    adler32's low half is 1 + (byte sum mod 65521): the unsigned byte sum at C speed. The stored
+    checksum is the sum with the field itself read as 8 spaces (8 * 32 = 256).
+    """
+    stored = _stored_checksum(field)
+    if stored is None:
+        return -1
+    return 1 + (stored - 256 + sum(field)) % 65521
+
+
+def _signed_checksum_ok(h: bytes, field: bytes) -> bool:
+    """Whether the header checks out under the signed-byte sum some old writers used."""
+    stored = _stored_checksum(field)
+    return stored == sum((x - 256 if x > 127 else x) for x in h[:148] + b" " * 8 + h[156:])
 
 
 def _number(field: bytes, what: str, url: str, offset: int) -> int:
@@ -243,13 +306,12 @@ def _number(field: bytes, what: str, url: str, offset: int) -> int:
         raise ShardError(f"header {what} field {field!r} is not an octal number", url, offset) from None
 
 
-def _cstr(field: bytes) -> bytes:
-    n = field.find(b"\x00")
-    return field if n < 0 else field[:n]
-
-
-def _decode_name(raw: bytes) -> str:
-    return raw.decode("utf-8", "surrogateescape")
+def _ustar_name(h: bytes, name: bytes) -> bytes:
+    """The full name of a USTAR header whose prefix field is in use."""
+    if h[257:263] != _USTAR:
+        return name  # GNU headers keep other data in that area
+    prefix = h[345:500].partition(b"\x00")[0]
+    return prefix + b"/" + name if prefix else name
 
 
 def _parse_pax(data: bytes, url: str, offset: int) -> dict[str, bytes]:
@@ -274,99 +336,185 @@ def _parse_pax(data: bytes, url: str, offset: int) -> dict[str, bytes]:
     return records
 
 
-def _members(src, url: str, with_data: bool, whole: bool = True
-             ) -> Iterator[tuple[str, bytes | None, int, int]]:
-    """Yield (name, data or None, start, end) for each regular file in the archive.
+class _Extended:
+    """GNU long-name and PAX records read so far, which apply to the next member."""
 
-    ``start`` is the offset of the member's first record (long-name records included), ``end`` the
-    offset just past its padded data. ``whole=False`` parses a slice of an archive that may stop at
-    a member boundary without an end-of-archive marker.
+    def __init__(self):
+        self.long_name: bytes | None = None
+        self.pax: dict[str, bytes] | None = None
+        self.start: int | None = None  # offset of the first such record
+        self.global_path: bytes | None = None
+        self.pending = False  # whether the next member's name or size may come from here
+
+    def add(self, kind: int, payload: bytes, url: str, offset: int) -> None:
+        if kind == _GLOBAL_PAX:
+            self.global_path = _parse_pax(payload, url, offset).get("path", self.global_path)
+        else:
+            if kind == _LONGNAME:
+                self.long_name = payload.partition(b"\x00")[0]
+            else:
+                self.pax = _parse_pax(payload, url, offset)
+            if self.start is None:
+                self.start = offset
+        self.pending = True
+
+    def waiting(self) -> bool:
+        """Whether records were read that no member has used yet."""
+        return self.long_name is not None or self.pax is not None
+
+    def apply(self, offset: int, size: int, url: str) -> tuple[bytes | None, int, int]:
+        """(name or None for the header's own, offset of the first record, size) of the member
+        whose header is at ``offset``."""
+        raw = self.long_name
+        if self.pax is not None:
+            if "size" in self.pax:
+                text = self.pax["size"]
+                if not text.isdigit():
+                    raise ShardError(f"PAX size {text!r} is not a number", url, offset)
+                size = int(text)
+            if raw is None:
+                raw = self.pax.get("path")
+        if raw is None:
+            raw = self.global_path
+        if self.start is not None:
+            offset = self.start
+        self.drop()
+        return raw, offset, size
+
+    def drop(self) -> None:
+        self.long_name = self.pax = self.start = None
+        self.pending = self.global_path is not None
+
+
+def _check_end(src, pos: int, ext: _Extended, whole: bool, first: bool) -> None:
+    """Raise unless the data ending at window offset ``pos`` (less than a block left) is a
+    clean end of the archive, or with ``whole=False`` of a slice of one."""
+    part = src.buf[pos : src.end]
+    at = src.base + pos
+    if part and part.count(0) != len(part):
+        raise src.truncated(f"{len(part)} bytes into the header block at byte {at}", at + len(part))
+    if ext.waiting():
+        raise src.truncated("right after a long-name or PAX record", at + len(part))
+    if part or not whole:
+        return  # a cut inside the end-of-archive blocks loses no member
+    if first:
+        raise ShardError("empty archive", src.url, 0)
+    # GNU tar reads on here, but a shard cut at a member boundary looks just like this, and its
+    # last sample may have lost members: the caller must not take it as complete
+    raise src.truncated(
+        "without its end-of-archive blocks, right after a complete member (the "
+        "last sample may be incomplete)",
+        at,
+    )
+
+
+def _end_of_archive(src, pos: int, ext: _Extended) -> None:
+    """Check what follows the zero block at window offset ``pos``: a second one, or nothing."""
+    at = src.refill(pos + BLOCK, BLOCK)
+    following = src.buf[at : min(at + BLOCK, src.end)]
+    if following.count(0) != len(following):
+        raise ShardError("lone zero block in the middle of the archive", src.url, src.base + at)
+    if ext.waiting():
+        raise src.truncated("right after a long-name or PAX record", src.base + at - BLOCK)
+
+
+def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
+    """Yield each regular file as (name, data, offset), or (name, offset, end) if not with_data.
+
+    ``offset`` is where the member's first record starts (long-name records included), ``end``
+    the offset just past its padded data. ``whole=False`` parses a slice of an archive, which may
+    be empty.
     """
-    long_name: bytes | None = None
-    start: int | None = None
-    pax: dict[str, bytes] = {}
-    global_pax: dict[str, bytes] = {}
-    take = src.take
-    header = src.header
-    skip = src.skip
+    buf, base, end = src.buf, src.base, src.end
+    pos = 0
+    unpack = _HEADER.unpack_from
+    adler32 = zlib.adler32
+    regular = _REGULAR
+    # field -> value caches: sizes repeat within a shard, and so do checksums, in a narrow range
+    sizes: dict[bytes, int] = {}
+    sums: dict[bytes, int] = {}
+    ext = _Extended()  # long-name and PAX records that apply to the next member
     first = True
     while True:
-        offset = src.pos
-        h = header()
-        if h is None:
-            if not whole and long_name is None and not pax:
+        if end - pos < BLOCK:
+            pos = src.refill(pos, BLOCK)
+            buf, base, end = src.buf, src.base, src.end
+            if end - pos < BLOCK:
+                _check_end(src, pos, ext, whole, first)
                 return
-            if first:
-                raise ShardError("empty archive", url, 0)
-            raise TruncatedShardError("archive ends without its end-of-archive marker", url, offset)
         first = False
-        if h == _ZERO:
-            # end-of-archive: a second zero block normally follows; EOF after one is tolerated
-            second = src.pos
-            h2 = header()
-            if h2 is not None and h2 != _ZERO:
-                raise ShardError("lone zero block in the middle of the archive", url, second)
-            if long_name is not None or pax:
-                raise TruncatedShardError("archive ends after a long-name record", url, offset)
-            return
-        if not _checksum_ok(h):
-            raise ShardError("tar header checksum mismatch (corrupt archive)", url, offset)
-        kind = h[156:157]
-        size = _number(h[124:136], "size", url, offset)
-        if size < 0:
-            raise ShardError("negative member size", url, offset)
+        h = buf[pos : pos + BLOCK]
+        name, size_f, chk_f, kind = unpack(h)
+        want = sums.get(chk_f)
+        if want is None:
+            if len(sums) >= _CACHE:
+                sums.clear()
+            want = sums[chk_f] = _expected_adler(chk_f)
+        if adler32(h) & 0xFFFF != want and not _signed_checksum_ok(h, chk_f):
+            if h == _ZERO:
+                _end_of_archive(src, pos, ext)
+                return
+            raise ShardError("tar header checksum mismatch (corrupt archive)", url, base + pos)
+        size = sizes.get(size_f)
+        if size is None:
+            if len(sizes) >= _CACHE:
+                sizes.clear()
+            size = sizes[size_f] = _number(size_f, "size", url, base + pos)
+            if size < 0:
+                raise ShardError("negative member size", url, base + pos)
+        if kind in regular:
+            offset = base + pos
+            raw = None
+            if ext.pending:
+                raw, offset, size = ext.apply(offset, size, url)
+            if raw is None:
+                raw = name.partition(b"\x00")[0]
+                if h[345]:
+                    raw = _ustar_name(h, raw)
+            member = raw.decode("utf-8", "surrogateescape")
+            data_at = pos + BLOCK
+            pos = data_at + ((size + 511) & ~511)
+            if pos <= end:
+                if with_data:
+                    yield member, buf[data_at : data_at + size], offset
+                else:
+                    yield member, offset, base + pos
+            else:
+                what = f"member {member!r} (header at byte {base + data_at - BLOCK})"
+                try:
+                    data = src.take(data_at, size, pos - data_at, with_data, what)
+                except TruncatedShardError:
+                    # the header is intact, so this member's name says whether the sample
+                    # before it was complete; the consumer gets it with no data, then the error
+                    yield (member, None, offset) if with_data else (member, offset, None)
+                    raise
+                buf, base, end = src.buf, src.base, src.end
+                pos = 0
+                yield (member, data, offset) if with_data else (member, offset, base)
+            continue
+        # a record with a payload this reader interprets, or one to skip
+        record_at = base + pos
+        if kind in _UNSUPPORTED:
+            raise ShardError(
+                f"unsupported tar member type {chr(kind)!r} (sparse/multi-volume)", url, record_at
+            )
+        data_at = pos + BLOCK
         padded = (size + 511) & ~511
-        if kind in _REGULAR:
-            if pax and "size" in pax:
-                size = int(pax["size"])
-                padded = (size + 511) & ~511
-            if long_name is not None:
-                name = _decode_name(long_name)
-            elif "path" in pax:
-                name = _decode_name(pax["path"])
-            elif "path" in global_pax:
-                name = _decode_name(global_pax["path"])
-            else:
-                raw = _cstr(h[0:100])
-                if h[257:263] == b"ustar\x00":
-                    prefix = _cstr(h[345:500])
-                    if prefix:
-                        raw = prefix + b"/" + raw
-                name = _decode_name(raw)
-            long_name = None
-            if pax:
-                pax = {}
-            if start is not None:
-                offset, start = start, None
-            if with_data:
-                data = take(size)
-                if padded != size:
-                    skip(padded - size)
-                yield name, data, offset, src.pos
-            else:
-                skip(padded)
-                yield name, None, offset, src.pos
-        elif kind == b"L":
-            long_name = _cstr(take(size))
-            skip(padded - size)
-            if start is None:
-                start = offset
-        elif kind == b"x":
-            pax = _parse_pax(take(size), url, offset)
-            skip(padded - size)
-            if start is None:
-                start = offset
-        elif kind == b"g":
-            global_pax.update(_parse_pax(take(size), url, offset))
-            skip(padded - size)
-        elif kind in (b"S", b"M"):
-            raise ShardError(f"unsupported tar member type {kind!r} (sparse/multi-volume)", url, offset)
+        keep = kind in _EXTENDED
+        if data_at + padded <= end:
+            payload = buf[data_at : data_at + size] if keep else None
+            pos = data_at + padded
         else:
-            # links, directories, devices, FIFOs and unknown types are not sample members
-            long_name = None
-            pax = {}
-            start = None
-            skip(padded)
+            what = f"the {chr(kind)!r} record at byte {record_at}"
+            payload = src.take(data_at, size, padded, keep, what)
+            buf, base, end = src.buf, src.base, src.end
+            pos = 0
+        if keep:
+            ext.add(kind, payload, url, record_at)
+        elif kind != _LONGLINK:
+            # links, directories, devices, FIFOs and unknown types are not sample members; the
+            # records read for them do not carry over
+            ext.drop()
 
 
 def iter_members(source, url: str, *, whole: bool = True) -> Iterator[tuple[str, bytes, int]]:
@@ -374,16 +522,20 @@ def iter_members(source, url: str, *, whole: bool = True) -> Iterator[tuple[str,
 
     ``source`` comes from :func:`open_tar_source` (or :func:`memory_source`); ``offset`` is where
     the member's records start. Raises ShardError (with the offset) on a corrupt header and
-    TruncatedShardError when the archive ends early.
+    TruncatedShardError when the archive ends early, after every member complete before that.
+    When the cut falls inside a member whose header is intact, that member comes last with
+    ``data=None``, right before the error: its name tells a consumer grouping members into
+    samples that the sample before it is complete.
     """
-    for name, data, offset, _ in _members(source, url, True, whole):
-        yield name, data, offset
+    return _members(source, url, True, whole)
 
 
 def scan_members(source, url: str) -> Iterator[tuple[str, int, int]]:
-    """Yield ``(name, start, end)`` byte spans of every regular file without keeping the data."""
-    for name, _, start, end in _members(source, url, False):
-        yield name, start, end
+    """Yield ``(name, start, end)`` byte spans of every regular file without keeping the data.
+
+    Like :func:`iter_members`, a member cut off after its header comes last, with ``end=None``.
+    """
+    return _members(source, url, False, True)
 
 
 def memory_source(data: bytes, url: str) -> _MemorySource:
