@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -84,8 +85,11 @@ def _words(n: int, word_dtype: type) -> np.ndarray:
         np.empty(n, dtype=dtype)
 
 
-PARALLEL_BYTES = 1 << 20  # draws of at least this much keystream are split across threads
-# Threads work on larger chunks: fewer Python-level steps means less contention for the GIL.
+# Draws of at least this much keystream are split across threads. Below it one thread is faster
+# here: the keystream is made with the GIL held, and each GIL hand-off between threads costs tens of
+# microseconds on small VMs (measured in bench/csprng.py: 2 threads lose at 1-4 MiB, win at 16-64).
+PARALLEL_BYTES = 16 << 20
+# Threads work on larger chunks: fewer Python-level steps means fewer GIL hand-offs.
 PARALLEL_CHUNK_BYTES = 1 << 20
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
@@ -108,8 +112,8 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body) -> None:
     """Call ``body(a, b, words)`` over all ``n`` items, on several threads for large draws.
 
-    Each thread takes a contiguous run of whole chunks with its own keystream writer starting at
-    the run's first block, so the values are the same as in one thread.
+    Every chunk's keystream starts at that chunk's own first block, so the values do not depend
+    on which thread handles which chunk, nor on how many threads there are.
     """
     wbytes = np.dtype(word_dtype).itemsize * words_per_item
     nbytes = n * wbytes
@@ -124,21 +128,64 @@ def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body) -> N
         for a, b, w in _chunks(draw, 0, n, words_per_item, word_dtype):
             body(a, b, w)
         return
-    # big chunks when every thread gets several of them, cache-sized ones otherwise
-    chunk_bytes = PARALLEL_CHUNK_BYTES if nbytes >= 4 * workers * PARALLEL_CHUNK_BYTES else CHUNK_BYTES
+    _share_chunks(draw, n, words_per_item, word_dtype, body, PARALLEL_CHUNK_BYTES, workers)
+
+
+def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, body,
+                  chunk_bytes: int, workers: int) -> None:
+    """Run ``body`` over the chunks of a draw on the calling thread and ``workers - 1`` helpers.
+
+    Every thread takes the next unclaimed chunk until none is left, each chunk with a keystream
+    writer at its own first block. The calling thread starts at once and waits only for chunks
+    already claimed: a helper that wakes up late (waking a pool thread takes tens of microseconds
+    on small VMs) finds the work done and just returns.
+    """
+    wbytes = np.dtype(word_dtype).itemsize * words_per_item
     step = max(chunk_bytes // wbytes, 1)
     nchunks = -(-n // step)
-    per = -(-nchunks // workers) * step  # items per thread, in whole chunks
-    parts = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
+    lock = threading.Lock()
+    claims = [0, 0]  # next chunk to hand out, chunks handed to helpers (both under `lock`)
+    finished = threading.Semaphore(0)  # released once per chunk a helper has finished
+    errors: list[BaseException] = []
 
-    def run(lo: int, hi: int) -> None:
-        sub = draw.part(lo * wbytes // BLOCK_BYTES, blocks_for((hi - lo) * wbytes))
-        for a, b, w in _chunks(sub, lo, hi, words_per_item, word_dtype, chunk_bytes):
-            body(a, b, w)
+    def claim(helper: bool) -> int:
+        with lock:
+            i = claims[0]
+            claims[0] += 1
+            if helper and i < nchunks:
+                claims[1] += 1
+            return i
 
-    futures = [_executor(workers).submit(run, lo, hi) for lo, hi in parts]
-    for f in futures:
-        f.result()
+    def run(helper: bool) -> None:
+        w = _words(step * words_per_item, word_dtype)
+        raw = memoryview(w.base.view(np.uint8) if w.base is not None else w.view(np.uint8))
+        while not errors:
+            i = claim(helper)
+            if i >= nchunks:
+                return
+            try:
+                a = i * step
+                b = min(a + step, n)
+                nb = (b - a) * wbytes
+                draw.part(a * wbytes // BLOCK_BYTES, blocks_for(nb)).fill(raw[: nb + (-nb) % BLOCK_BYTES])
+                body(a, b, w[: (b - a) * words_per_item])
+            except BaseException as exc:  # re-raised on the calling thread
+                errors.append(exc)
+            finally:
+                if helper:
+                    finished.release()
+
+    pool = _executor(workers - 1)
+    for _ in range(workers - 1):
+        pool.submit(run, True)
+    run(False)
+    with lock:  # every chunk is claimed now (or an error stopped the claims)
+        claims[0] = nchunks
+        pending = claims[1]
+    for _ in range(pending):
+        finished.acquire()
+    if errors:
+        raise errors[0]
 
 
 class _Sink:
