@@ -32,6 +32,14 @@ DRAWS = {
     "bernoulli int8": lambda g, n: torch.empty(n, dtype=torch.int8).bernoulli_(0.7, generator=g),
     "bernoulli bool": lambda g, n: torch.empty(n, dtype=torch.bool).bernoulli_(1e-3, generator=g),
     "randn": lambda g, n: torch.randn(n, generator=g),
+    "randn f64": lambda g, n: torch.randn(n, generator=g, dtype=torch.float64),
+    "randn f16": lambda g, n: torch.randn(n, generator=g, dtype=torch.float16),
+    "randn bf16": lambda g, n: torch.randn(n, generator=g, dtype=torch.bfloat16),
+    "normal affine": lambda g, n: torch.normal(2.5, 0.3, (n,), generator=g),
+    "normal affine f64": lambda g, n: torch.normal(-1.0, 7.0, (n,), generator=g, dtype=torch.float64),
+    "log_normal": lambda g, n: torch.empty(n).log_normal_(generator=g),
+    "log_normal f64": lambda g, n: torch.empty(n, dtype=torch.float64).log_normal_(0.5, 0.25, generator=g),
+    "normal_ std 0": lambda g, n: torch.empty(n).normal_(3.0, 0.0, generator=g),
 }
 
 

@@ -281,6 +281,9 @@ class NativeSampler:
 
     def _normal(self, out: torch.Tensor, mean: float, std: float, log: bool) -> None:
         n = out.numel()
+        if 0 < n <= small.SMALL_ITEMS:
+            small.normal(self.stream, out, n, mean, std, log)
+            return
         word, cd, bits = _compute(out.dtype)
         pairs = (n + 1) // 2
         draw = self._draw(pairs * 2 * np.dtype(word).itemsize)

@@ -3,14 +3,17 @@
 For a handful of values the NumPy path spends most of its time setting up arrays and ufunc calls.
 The transforms here cover only the cases whose arithmetic Python reproduces exactly (integer ops,
 and float products and sums that are exact or rounded once in the output's own precision), so a
-value never depends on which path made it. Anything else (transcendental transforms, bfloat16,
-float32 affine ranges) stays on the NumPy path.
+value never depends on which path made it; transcendental functions still go through the NumPy
+ufuncs of the large path, in one call each. bfloat16 uniforms and float32 affine ranges stay on the
+NumPy path.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 
+import numpy as np
 import torch
 
 from .ciphers import BLOCK_BYTES
@@ -24,6 +27,7 @@ _CODE = {
     torch.int64: "q", torch.int32: "i", torch.int16: "h", torch.int8: "b", torch.uint8: "B",
 }
 _WORD = {2: "H", 4: "I", 8: "Q"}
+_TWO_PI = 2.0 * math.pi
 
 
 def _words(stream: BlockStream, n: int, size: int) -> tuple[int, tuple[int, ...]]:
@@ -92,3 +96,42 @@ def bernoulli(stream: BlockStream, out: torch.Tensor, n: int, threshold: int) ->
     _, w = _words(stream, n, 8)
     _write(out, [x < threshold for x in w])
     return True
+
+
+def normal(stream: BlockStream, out: torch.Tensor, n: int, mean: float, std: float,
+           log: bool) -> None:
+    """normal_/log_normal_ (``out`` contiguous, any float dtype), with the NumPy path's arithmetic.
+
+    The exact steps (masking, the (k + 1) and angle products, which float64 holds exactly and
+    rounds once to float32 like NumPy's float32 multiply) run in Python; the transcendental ones
+    run through the same NumPy ufuncs as the large path, once over all values.
+    """
+    wide = out.dtype == torch.float64
+    cd = np.float64 if wide else np.float32
+    bits = 53 if wide else 24
+    pairs = (n + 1) // 2
+    _, w = _words(stream, 2 * pairs, 8 if wide else 4)
+    mask = (1 << bits) - 1
+    unit = 2.0**-bits
+    angle = float(cd(_TWO_PI * unit))
+    u = np.array([((x & mask) + 1) * unit for x in w[0::2]]
+                 + [(x & mask) * angle for x in w[1::2]], cd)
+    r, th = u[:pairs], u[pairs:]
+    np.log(r, out=r)
+    np.multiply(r, cd(-2.0), out=r)
+    np.sqrt(r, out=r)
+    c = np.cos(th)
+    np.sin(th, out=th)
+    z = np.empty(2 * pairs, cd)
+    zz = z.reshape(pairs, 2)
+    np.multiply(c, r, out=zz[:, 0])
+    np.multiply(th, r, out=zz[:, 1])
+    if not (mean == 0.0 and std == 1.0):
+        np.multiply(z, cd(std), out=z)
+        np.add(z, cd(mean), out=z)
+    if log:
+        np.exp(z, out=z)
+    if out.dtype == torch.bfloat16:  # NumPy has no bfloat16: the large path converts with torch too
+        out.view(-1).copy_(torch.from_numpy(z[:n]))
+    else:
+        np.copyto(out.numpy().reshape(-1), z[:n], casting="unsafe")
