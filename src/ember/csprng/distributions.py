@@ -460,7 +460,8 @@ class NativeSampler:
             bad = _bounded(w, r, x)
             if bad is not None:
                 rejected.append(bad + lo)
-            np.add(x, offset, out=x)
+            if offset:
+                np.add(x, offset, out=x)
             if dst is None:
                 sink.write(lo, hi, x.view(np.int64))
 
