@@ -73,8 +73,8 @@ def _one(args: list[str], stream, deadline: float) -> tuple[str, str, int]:
     return "".join(lines), err.decode(errors="replace"), fed
 
 
-def run(mib: int, tests: str, seed: int = 0, timeout: float = 3600, resolve: bool = False
-        ) -> tuple[list[dict], int]:
+def run(mib: int, tests: str, seed: int = 0, timeout: float = 3600, resolve: bool = False,
+        extra: tuple[str, ...] = ()) -> tuple[list[dict], int]:
     """Verdict rows, and the MiB fed (at least ``mib``: dieharder reads as much as it needs)."""
     exe = shutil.which("dieharder")
     if exe is None:
@@ -88,6 +88,7 @@ def run(mib: int, tests: str, seed: int = 0, timeout: float = 3600, resolve: boo
         runs = [["-d", str(d)] for d in ids]
     if resolve:  # -Y 1: re-test WEAK results with more p-samples until they pass or fail
         runs = [[*r, "-Y", "1"] for r in runs]
+    runs = [[*r, *extra] for r in runs]
     rows, fed = [], 0
     for extra in runs:
         out, err, n = _one([exe, "-g", "200", *extra], stream, deadline)
@@ -112,8 +113,10 @@ def main() -> int:
                     help="dieharder -Y 1: re-run WEAK results with more p-samples")
     ap.add_argument("--json", type=Path, default=Path("bench/results/dieharder.json"))
     ap.add_argument("--timeout", type=float, default=6 * 3600, help="seconds before giving up")
+    ap.add_argument("--ntuple", type=int, help="dieharder -n (e.g. rgb_bitdist's tuple size)")
     args = ap.parse_args()
-    rows, fed = run(args.mib, args.tests, timeout=args.timeout, resolve=args.resolve)
+    extra = ("-n", str(args.ntuple)) if args.ntuple else ()
+    rows, fed = run(args.mib, args.tests, timeout=args.timeout, resolve=args.resolve, extra=extra)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("PASSED", "WEAK", "FAILED")}
     for r in rows:
         print(f"{r['test']:<28}{r['ntup']:>4}  p={r['p']:.6f}  {r['verdict']}")
