@@ -1,12 +1,15 @@
 """Benchmark ember.shards against the webdataset package on the same shards, in one process.
 
 Measures read samples/s and MB/s (1 KB, 10 KB, 100 KB samples; 0 and 2 DataLoader workers; no
-decoding), the raw read ceiling of ``cat shards > /dev/null`` on the same files, and writer
-throughput. Every measurement is repeated ``--repeat`` times, round robin (cat, ember, webdataset,
-cat, ...) so that load from other jobs hits all three alike, and the best run of each is kept. The
-page cache is warmed by one untimed cat first; the time cat takes to start and exit with no data
-is subtracted from its runs, so the ceiling is the read itself. Prints a table and writes
-bench/results/shards.json (or ``--out``). ``--quick`` uses a quarter of the samples.
+decoding; with workers ember reads through ShardLoader and webdataset through
+``DataLoader(batch_size=None)``, each library's documented way; ``floor/s`` is that DataLoader
+fed ready-made samples, the per-sample transfer ceiling), the raw read ceiling of
+``cat shards > /dev/null`` on the same files, and writer throughput. Every measurement is
+repeated ``--repeat`` times, round robin (cat, ember, webdataset, cat, ...) so that load from
+other jobs hits all three alike, and the best run of each is kept. The page cache is warmed by
+one untimed cat first; the time cat takes to start and exit with no data is subtracted from its
+runs, so the ceiling is the read itself. Prints a table and writes bench/results/shards.json
+(or ``--out``). ``--quick`` uses a quarter of the samples.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ember.shards import ShardDataset, ShardWriter
+from ember.shards import ShardDataset, ShardLoader, ShardWriter
 
 SIZES = {"1KB": (1000, 40000), "10KB": (10_000, 20000), "100KB": (100_000, 4000)}
 WORKERS = (0, 2)
@@ -54,9 +57,13 @@ class _Prebuilt(IterableDataset):
 
 
 def _read(ds, workers: int, expected: int) -> float:
-    """Seconds to iterate ``ds`` (through a DataLoader if ``workers``), checking the count."""
+    """Seconds to iterate ``ds`` as its users would: an ember ShardDataset through ShardLoader
+    (its default grouped transfer) if ``workers``, anything else through
+    ``DataLoader(batch_size=None)`` (webdataset's idiom: per-sample transfer); checking the count."""
     t = time.perf_counter()
-    if workers:
+    if workers and isinstance(ds, ShardDataset):
+        n = sum(1 for _ in ShardLoader(ds, num_workers=workers))
+    elif workers:
         n = sum(1 for _ in DataLoader(ds, batch_size=None, num_workers=workers))
     else:
         n = sum(1 for _ in ds)

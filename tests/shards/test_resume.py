@@ -510,3 +510,24 @@ def test_error_after_a_seek_names_the_absolute_offset(make_shards):
             got.append(_key(s))
     assert got == keys[3:5]  # sample 5 is dropped: its end cannot be known
     assert ei.value.url == url and ei.value.offset == bad_at
+
+
+def test_truncation_message_after_a_seek_quotes_absolute_offsets(make_shards):
+    from ember.shards.dataset import _shard_from
+
+    pattern, keys = make_shards(2, 8, index=True)
+    url = expand_urls(pattern)[0]
+    with open(url + ".idx") as f:
+        spans = json.load(f)["samples"]
+    header = spans[6][1]
+    cut = header + 512 + 5  # inside the data of sample 6's first member, its header intact
+    with open(url, "r+b") as f:
+        f.truncate(cut)
+    got = []
+    with pytest.raises(ShardError, match="inside the data") as ei:
+        for s in _shard_from(url, spans[3][1]):  # entered at sample 3, as a resume does
+            got.append(s["__key__"])
+    assert got == keys[3:6]  # the samples before the cut member are complete
+    assert ei.value.offset == cut
+    message = str(ei.value)
+    assert f"at byte {cut}:" in message and f"(header at byte {header})" in message, message

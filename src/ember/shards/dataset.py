@@ -26,6 +26,7 @@ from ember.shards.urls import UrlOptions, as_list, local_path, open_url
 __all__ = ["ShardDataset", "ShardLoader", "iter_shard", "rank_and_world"]
 
 STATE_VERSION = 1
+DEFAULT_TRANSFER_GROUP = 128  # items per worker-to-main-process transfer in ShardLoader
 
 
 def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -62,28 +63,27 @@ def iter_shard(url: str, options: UrlOptions | None = None) -> Iterator[dict]:
 
 def _shard_from(url: str, offset: int) -> Iterator[dict]:
     """Yield the raw samples of a local uncompressed shard from the sample whose records start
-    at byte ``offset`` (a header boundary taken from the shard's index)."""
+    at byte ``offset`` (a header boundary taken from the shard's index). Offsets, in errors and
+    their messages too, are absolute (counted from the start of the shard)."""
     stream = open_url(url)
     try:
         stream.seek(offset)
-        src = open_tar_source(stream, url)
         try:
-            yield from group_samples(_shifted(iter_members(src, url), offset), url)
+            src = open_tar_source(stream, url)
+        except ShardError as exc:
+            if exc.offset is None:
+                raise
+            raise type(exc)(exc.message, exc.url, exc.offset + offset) from exc
+        # a seeked stream is read sequentially: its window starts at absolute byte `offset`, so
+        # every offset the parser reports (member offsets, error offsets and the byte positions
+        # quoted in error messages) is counted from the start of the shard
+        src.base = offset
+        try:
+            yield from group_samples(iter_members(src, url), url)
         finally:
             src.close()
     finally:
         stream.close()
-
-
-def _shifted(members: Iterator[tuple[str, bytes, int]], base: int) -> Iterator[tuple]:
-    """Members of a shard parsed from byte ``base``, with offsets (in errors too) made absolute."""
-    try:
-        for name, data, offset in members:
-            yield name, data, offset + base
-    except ShardError as exc:
-        if exc.offset is None:
-            raise
-        raise type(exc)(exc.message, exc.url, exc.offset + base) from exc
 
 
 class _ErrorPolicy:
@@ -152,7 +152,8 @@ class ShardDataset(IterableDataset):
         self.error_count = 0
         self._resume: dict | None = None
         self._consumed = 0
-        self._tagged = False
+        self._tagged = False  # set by ShardLoader: yield (stream, error counts, items) groups
+        self._group = 1
 
     # ---- fluent pipeline -------------------------------------------------------------------
 
@@ -393,19 +394,50 @@ class ShardDataset(IterableDataset):
                 if seeking and not isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
             self._consumed = skip
-            tagged = self._tagged
+            if self._tagged:
+                yield from self._groups(items, worker, skip, policy, seeking)
+                return
             for item in items:
                 if seeking and isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
                 self._consumed += 1
                 self.error_count = policy.count
-                yield (worker, policy.count, item) if tagged else item
+                yield item
             self.error_count = policy.count
-            if info is None and not tagged:
+            if info is None:
                 self.epoch = epoch + 1
                 self._consumed = 0
         finally:
             items.close()
+
+    def _groups(self, items: Iterator, worker: int, skip: int, policy: _ErrorPolicy,
+                seeking: bool) -> Iterator[tuple[int, list[int], list]]:
+        """A stream's items for ShardLoader, as ``(stream, error counts, items)`` groups of up to
+        ``_group`` items. Groups end at multiples of ``_group`` stream positions, counted from the
+        epoch's start (a resumed stream's first group is short), so a resumed loader interleaves
+        the streams exactly as the uninterrupted one. Items already grouped when an error is
+        raised are sent before it."""
+        size = self._group
+        room = size - skip % size
+        group: list = []
+        errors: list[int] = []
+        try:
+            for item in items:
+                if seeking and isinstance(item, _Skipped):
+                    raise RuntimeError("index-based resume went out of step (a bug in ember)")
+                self._consumed += 1
+                group.append(item)
+                errors.append(policy.count)
+                if len(group) == room:
+                    yield worker, errors, group
+                    group, errors, room = [], [], size
+        except Exception:
+            if group:
+                yield worker, errors, group
+            raise
+        self.error_count = policy.count
+        if group:
+            yield worker, errors, group
 
 
 _END = object()
@@ -630,9 +662,18 @@ class ShardLoader:
     Batch with ``dataset.batched(n)``: this loader passes ``batch_size=None`` to DataLoader.
     ``state_dict()`` taken after receiving an item resumes at the next item, with any number of
     workers; iterating to the end advances the epoch.
+
+    With workers, each worker sends its items to the main process in groups of up to
+    ``transfer_group`` (one inter-process transfer per group instead of per item), and the loader
+    hands them out one at a time. The default (None) is 128 samples per group, or 1 when the
+    pipeline is ``batched`` (a batch already amortises the transfer); 1 sends every item alone.
+    DataLoader takes groups from the workers in turn, so the items of the streams interleave
+    group by group. ``state_dict()`` counts the items handed out, not the items received, and
+    records the group size, so resuming continues that same order exactly.
     """
 
-    def __init__(self, dataset: ShardDataset, *, num_workers: int = 0, **kwargs: Any):
+    def __init__(self, dataset: ShardDataset, *, num_workers: int = 0,
+                 transfer_group: int | None = None, **kwargs: Any):
         for bad in ("batch_size", "sampler", "batch_sampler", "shuffle"):
             if kwargs.get(bad) not in (None, False):
                 raise ValueError(f"ShardLoader does not take {bad}=; use dataset.batched(n) and "
@@ -640,14 +681,25 @@ class ShardLoader:
             kwargs.pop(bad, None)
         if kwargs.get("persistent_workers"):
             raise ValueError("ShardLoader needs fresh workers each epoch: persistent_workers=False")
+        if transfer_group is not None and int(transfer_group) < 1:
+            raise ValueError(f"expected transfer_group >= 1, got {transfer_group!r}")
         self.dataset = dataset
         self.num_workers = int(num_workers)
+        if self.num_workers == 0:
+            self.transfer_group = 1  # nothing to transfer
+        elif transfer_group is not None:
+            self.transfer_group = int(transfer_group)
+        elif any(kind == "batched" for kind, _ in dataset.stages):
+            self.transfer_group = 1
+        else:
+            self.transfer_group = DEFAULT_TRANSFER_GROUP
         self.kwargs = kwargs
         self.epoch = dataset.epoch
         self._streams = max(1, self.num_workers)
         self._consumed = [0] * self._streams
         self._errors = [0] * self._streams
         self._next = 0
+        self._group = self.transfer_group
         self._resume: dict | None = None
 
     @property
@@ -656,13 +708,16 @@ class ShardLoader:
         return sum(self._errors)
 
     def state_dict(self) -> dict:
-        """Epoch, seed and items consumed per reading stream: enough to resume exactly."""
+        """Epoch, seed, items consumed per reading stream, the stream that delivers next and the
+        transfer group size: enough to resume exactly."""
         return {"version": STATE_VERSION, "epoch": self.epoch, "seed": self.dataset.seed,
                 "num_workers": self._streams, "consumed": list(self._consumed),
-                "next": self._next, "num_shards": len(self.dataset.urls)}
+                "next": self._next, "num_shards": len(self.dataset.urls),
+                "transfer_group": self._group}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue at ``state`` on the next iteration."""
+        """Continue at ``state`` on the next iteration (the rest of that epoch uses the state's
+        transfer group size, so the order is the uninterrupted run's)."""
         if int(state["num_workers"]) != self._streams:
             raise ValueError(f"state was saved with {state['num_workers']} workers, this loader "
                              f"has {self._streams}")
@@ -678,6 +733,7 @@ class ShardLoader:
         ds = copy.copy(self.dataset)
         ds.set_epoch(self.epoch)
         ds._tagged = True
+        group = self.transfer_group
         if self.dataset.equalize is not None:
             ds.ensure_shard_sizes()
             self.dataset.shard_sizes = ds.shard_sizes
@@ -685,17 +741,26 @@ class ShardLoader:
             ds.load_state_dict(self._resume)
             consumed = list(self._resume["consumed"])
             first = int(self._resume["next"])
+            if self.num_workers:  # states without the key are from per-item transfer
+                group = int(self._resume.get("transfer_group", 1))
             self._resume = None
         else:
             consumed, first = [0] * self._streams, 0
-        self._consumed, self._next = consumed, first
+        ds._group = group
+        self._consumed, self._next, self._group = consumed, first, group
         self._errors = [0] * self._streams
         loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
         n = self._streams
-        for stream, errors, item in loader:
-            consumed[stream] += 1
-            self._errors[stream] = errors
-            self._next = (stream + 1) % n
-            yield item
+        for stream, errors, items in loader:
+            last = len(items) - 1
+            after = (stream + 1) % n
+            for i, item in enumerate(items):
+                # count what the loop is handed, not what arrived: until the group's last item
+                # is handed out, this stream still delivers next
+                consumed[stream] += 1
+                self._errors[stream] = errors[i]
+                self._next = stream if i < last else after
+                yield item
         self.epoch += 1
         self._consumed, self._next = [0] * n, 0
+        self._group = self.transfer_group
