@@ -556,12 +556,17 @@ class NativeSampler:
         if n == 1:
             out.view(-1).fill_(0)
             return
-        skeys, idx = torch.sort(keys, stable=True)
+        direct = out.dtype == torch.int64  # sort straight into the output (contiguous here)
+        if direct:
+            skeys, idx = torch.sort(keys, stable=True, out=(torch.empty_like(keys), out.view(-1)))
+        else:
+            skeys, idx = torch.sort(keys, stable=True)
         sk, ix = skeys.numpy(), idx.numpy()
         eq = sk[1:] == sk[:-1]
         if eq.any():
             _shuffle_ties(draw, ix, eq)
-        out.view(-1).copy_(idx)
+        if not direct:
+            out.view(-1).copy_(idx)
 
     # ------------------------------------------------------------------ multinomial / poisson
     def multinomial(self, probs: torch.Tensor, num_samples: int, replacement: bool = False
