@@ -108,26 +108,12 @@ class BlockStream:
                 self._cached = (position, writer)
 
     def take(self, nblocks: int) -> tuple[int, bytearray]:
-        """Reserve ``nblocks`` blocks and return (first block, their keystream): for small draws.
-
-        The same as ``draw(nblocks)`` filled in one go, with one lock round trip fewer.
-        """
-        with self._lock:
-            start = self._counter
-            end = start + nblocks
-            if end > COUNTER_LIMIT:
-                raise self._exhausted(nblocks, start)
-            self._counter = end
-            cached, self._cached = self._cached, None
-        if cached is not None and cached[0] == start:
-            writer = cached[1]
-        else:
-            writer = self._cipher.keystream(self._key, start)
+        """Reserve ``nblocks`` blocks and return (first block, their keystream): for small draws."""
+        start = self.reserve(nblocks)
+        writer = self.keystream(start)
         buf = bytearray(nblocks * BLOCK_BYTES)
         writer.fill(memoryview(buf))
-        with self._lock:
-            if self._counter == end:
-                self._cached = (end, writer)
+        self.give_back(start + nblocks, writer)
         return start, buf
 
     @staticmethod
