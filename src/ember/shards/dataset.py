@@ -50,15 +50,7 @@ def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tu
 
 def iter_shard(url: str, options: UrlOptions | None = None) -> Iterator[dict]:
     """Yield the raw samples (dicts of bytes) of one shard; the stream is closed when done."""
-    stream = open_url(url, options)
-    try:
-        src = open_tar_source(stream, url)
-        try:
-            yield from group_samples(iter_members(src, url), url)
-        finally:
-            src.close()
-    finally:
-        stream.close()
+    yield from _samples(open_url(url, options), url)
 
 
 def _shard_from(url: str, offset: int) -> Iterator[dict]:
@@ -68,16 +60,27 @@ def _shard_from(url: str, offset: int) -> Iterator[dict]:
     stream = open_url(url)
     try:
         stream.seek(offset)
+    except BaseException:
+        stream.close()
+        raise
+    yield from _samples(stream, url, offset)
+
+
+def _samples(stream, url: str, base: int = 0) -> Iterator[dict]:
+    """The samples of the tar stream ``stream`` (positioned at absolute byte ``base`` of the
+    shard, at a header); closes the stream when done."""
+    try:
         try:
             src = open_tar_source(stream, url)
         except ShardError as exc:
-            if exc.offset is None:
+            if not base or exc.offset is None:
                 raise
-            raise type(exc)(exc.message, exc.url, exc.offset + offset) from exc
-        # a seeked stream is read sequentially: its window starts at absolute byte `offset`, so
+            raise type(exc)(exc.message, exc.url, exc.offset + base) from exc
+        # a seeked stream is read sequentially: its window starts at absolute byte `base`, so
         # every offset the parser reports (member offsets, error offsets and the byte positions
         # quoted in error messages) is counted from the start of the shard
-        src.base = offset
+        if base:
+            src.base = base
         try:
             yield from group_samples(iter_members(src, url), url)
         finally:
