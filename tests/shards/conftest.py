@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ember.shards import ShardWriter
+from ember.shards import ShardLoader, ShardWriter
 
 
 def write_shards(directory, nshards: int, per_shard: int, *, prefix: str = "s",
@@ -34,3 +34,29 @@ def make_shards(tmp_path):
 def shards(tmp_path):
     """Six shards of ten samples each."""
     return write_shards(tmp_path, 6, 10)
+
+
+def sample_key(item):
+    """A sample's key; items that stages already made into keys (or batches of keys) as they are."""
+    return item["__key__"] if isinstance(item, dict) else item
+
+
+@pytest.fixture
+def stop_and_resume():
+    """``stop_and_resume(make, num_workers, stop, **loader_options)``: the keys a ShardLoader over
+    ``make()`` yields before stopping after ``stop`` items, the keys a new loader resumed from its
+    state yields, that loader, and the state."""
+
+    def run(make, num_workers: int, stop: int, **options):
+        loader = ShardLoader(make(), num_workers=num_workers, **options)
+        head = []
+        for s in loader:
+            head.append(sample_key(s))
+            if len(head) == stop:
+                break
+        state = loader.state_dict()
+        resumed = ShardLoader(make(), num_workers=num_workers, **options)
+        resumed.load_state_dict(state)
+        return head, [sample_key(s) for s in resumed], resumed, state
+
+    return run

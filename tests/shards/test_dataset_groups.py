@@ -81,22 +81,8 @@ def test_default_group_sizes(make_shards):
         ShardLoader(ds, num_workers=2, transfer_group=0)
 
 
-def _stop_and_resume(make, num_workers, group, stop):
-    loader = ShardLoader(make(), num_workers=num_workers, transfer_group=group)
-    head = []
-    for s in loader:
-        head.append(_key(s))
-        if len(head) == stop:
-            break
-    state = loader.state_dict()
-    assert sum(state["consumed"]) == stop  # what the loop got, not what the workers sent
-    resumed = ShardLoader(make(), num_workers=num_workers, transfer_group=group)
-    resumed.load_state_dict(state)
-    return head, _keys(resumed), resumed
-
-
 @pytest.mark.parametrize("num_workers, group", [(2, 4), (3, 5), (2, None), (3, 1)])
-def test_resume_inside_and_between_groups_is_exact(tmp_path, num_workers, group):
+def test_resume_inside_and_between_groups_is_exact(tmp_path, num_workers, group, stop_and_resume):
     urls, per_shard = _uneven(tmp_path, [7, 12, 3, 9, 1, 10, 6, 8])
 
     def make():
@@ -109,7 +95,8 @@ def test_resume_inside_and_between_groups_is_exact(tmp_path, num_workers, group)
     # random points, group boundaries, and the last samples (streams that have ended)
     stops = set(rng.sample(range(1, len(full)), 6)) | {size, size + 1, len(full) - 1}
     for stop in sorted(s for s in stops if 0 < s < len(full)):
-        head, tail, resumed = _stop_and_resume(make, num_workers, group, stop)
+        head, tail, resumed, state = stop_and_resume(make, num_workers, stop, transfer_group=group)
+        assert sum(state["consumed"]) == stop  # what the loop got, not what the workers sent
         assert head + tail == full, stop
         assert resumed.epoch == 1
 

@@ -29,21 +29,6 @@ def _loader_keys(ds: ShardDataset, num_workers: int) -> list[str]:
     return [s["__key__"] for s in ShardLoader(ds, num_workers=num_workers)]
 
 
-def _stop_and_resume(make, num_workers: int, stop: int) -> tuple[list[str], list[str], ShardLoader]:
-    """Keys read before stopping after ``stop`` samples, the keys a loader resumed from there
-    reads, and that loader."""
-    loader = ShardLoader(make(), num_workers=num_workers)
-    head = []
-    for s in loader:
-        head.append(_key(s))
-        if len(head) == stop:
-            break
-    state = loader.state_dict()
-    resumed = ShardLoader(make(), num_workers=num_workers)
-    resumed.load_state_dict(state)
-    return head, [_key(s) for s in resumed], resumed
-
-
 @pytest.fixture
 def twelve(make_shards):
     """12 shards of 8 samples."""
@@ -150,7 +135,7 @@ def test_direct_state_dict_resume(twelve):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2, 3])
-def test_loader_state_dict_resume_at_random_points(twelve, num_workers):
+def test_loader_state_dict_resume_at_random_points(twelve, num_workers, stop_and_resume):
     pattern, keys = twelve
     rng = random.Random(1234 + num_workers)
 
@@ -161,7 +146,7 @@ def test_loader_state_dict_resume_at_random_points(twelve, num_workers):
         full = _loader_keys(make(rank), num_workers)
         assert len(full) == 48
         for stop in sorted(rng.sample(range(1, len(full)), 3)):
-            head, tail, resumed = _stop_and_resume(lambda rank=rank: make(rank), num_workers, stop)
+            head, tail, resumed, _ = stop_and_resume(lambda rank=rank: make(rank), num_workers, stop)
             assert Counter(head + tail) == Counter(full), (rank, stop)  # nothing lost or repeated
             assert head + tail == full, (rank, stop)  # and in the same order
             assert resumed.epoch == 1
@@ -245,7 +230,7 @@ def test_with_epoch_fixed_length(twelve):
     assert Counter(got[:96]) == Counter(keys)  # the first pass covers everything once
 
 
-def test_loader_resume_with_uneven_workers(tmp_path):
+def test_loader_resume_with_uneven_workers(tmp_path, stop_and_resume):
     """Workers run out at different times (uneven shards); resumption stays exact after that."""
     sizes = [2, 11, 5, 1, 9, 4, 6]
     urls, keys = _uneven(tmp_path, sizes)
@@ -258,7 +243,7 @@ def test_loader_resume_with_uneven_workers(tmp_path):
     rng = random.Random(99)
     stops = sorted(set(rng.sample(range(1, len(full)), 4)) | {len(full) - 3, len(full) - 1})
     for stop in stops:
-        head, tail, _ = _stop_and_resume(make, WORKERS, stop)
+        head, tail, _, _ = stop_and_resume(make, WORKERS, stop)
         assert Counter(head + tail) == Counter(full), stop
         assert head + tail == full, stop
 
@@ -307,15 +292,15 @@ class _Opens:
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 @pytest.mark.parametrize("num_workers", [0, 3])
-def test_index_resume_equals_uninterrupted_run(make_shards, name, num_workers):
+def test_index_resume_equals_uninterrupted_run(make_shards, name, num_workers, stop_and_resume):
     pattern, _ = make_shards(9, 8, index=True)
     world = 2 if name == "equalize" else 1
     rng = random.Random(sorted(PIPELINES).index(name) * 10 + num_workers)
     for rank in range(world):
         full = list(ShardLoader(_make(pattern, name, rank, world), num_workers=num_workers))
         for stop in sorted(rng.sample(range(1, len(full)), 4)):
-            head, tail, _ = _stop_and_resume(lambda r=rank: _make(pattern, name, r, world),
-                                             num_workers, stop)
+            head, tail, _, _ = stop_and_resume(lambda r=rank: _make(pattern, name, r, world),
+                                               num_workers, stop)
             assert head + tail == full, (rank, stop)
 
 
