@@ -37,3 +37,33 @@ def test_threaded_fill_equals_single_thread(monkeypatch, name, n):
         torch.set_num_threads(threads)
     assert torch.equal(want, got)
     assert g.counter == want_counter
+
+
+def test_error_in_a_shared_chunk_reaches_the_caller(monkeypatch):
+    # every chunk but the first fails, wherever it runs: the caller gets the error, no thread hangs
+    calls = []
+
+    def body(a, b, w):
+        calls.append(a)
+        if a:
+            raise ZeroDivisionError(f"chunk at {a}")
+
+    g = csprng.create_generator(4)
+    n = 64 * 1024
+    draw = g._stream.draw(distributions.blocks_for(n * 4))
+    with pytest.raises(ZeroDivisionError, match="chunk at"):
+        distributions._share_chunks(draw, n, 1, distributions.np.uint32, body, 4096, 3)
+    assert 0 in calls and len(calls) < n * 4 // 4096  # claims stop after the first failure
+
+
+def test_shared_chunks_cover_every_item_once():
+    seen = []
+    g = csprng.create_generator(5)
+    n = 10_001  # not a whole number of chunks
+    draw = g._stream.draw(distributions.blocks_for(n * 8))
+    distributions._share_chunks(draw, n, 1, distributions.np.uint64,
+                                lambda a, b, w: seen.append((a, b, len(w))), 1024, 3)
+    seen.sort()
+    assert seen[0][0] == 0 and seen[-1][1] == n
+    assert all(x[1] == y[0] for x, y in zip(seen, seen[1:], strict=False))
+    assert all(b - a == size for a, b, size in seen)
