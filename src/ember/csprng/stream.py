@@ -89,7 +89,11 @@ class BlockStream:
             start = self._counter
             end = start + nblocks
             if end > COUNTER_LIMIT:
-                raise self._exhausted(nblocks, start)
+                raise CounterExhausted(
+                    f"ember.csprng: drawing {nblocks} blocks would pass the end of the 2**128 "
+                    f"counter space (at {start}); re-key the generator (manual_seed/seed) or use "
+                    "fold_in/spawn for a fresh stream"
+                )
             self._counter = end
             return start
 
@@ -115,14 +119,6 @@ class BlockStream:
         writer.fill(memoryview(buf))
         self.give_back(start + nblocks, writer)
         return start, buf
-
-    @staticmethod
-    def _exhausted(nblocks: int, start: int) -> CounterExhausted:
-        return CounterExhausted(
-            f"ember.csprng: drawing {nblocks} blocks would pass the end of the 2**128 "
-            f"counter space (at {start}); re-key the generator (manual_seed/seed) or use "
-            "fold_in/spawn for a fresh stream"
-        )
 
     def draw(self, nblocks: int) -> Draw:
         """Reserve ``nblocks`` blocks and return the object that writes their keystream."""
