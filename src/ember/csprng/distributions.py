@@ -85,6 +85,11 @@ def _words(n: int, word_dtype: type) -> np.ndarray:
         np.empty(n, dtype=dtype)
 
 
+def _block_bytes(w: np.ndarray) -> memoryview:
+    """The bytes of a ``_words`` array, including its spare room up to a whole block."""
+    return memoryview(w.base.view(np.uint8) if w.base is not None else w.view(np.uint8))
+
+
 # Draws of at least this much keystream are split across threads. Below it one thread is faster
 # here: the keystream is made with the GIL held, and each GIL hand-off between threads costs tens of
 # microseconds on small VMs (measured in bench/csprng.py: 2 threads lose at 1-4 MiB, win at 16-64).
@@ -119,8 +124,7 @@ def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body) -> N
     nbytes = n * wbytes
     if nbytes <= CHUNK_BYTES:  # one chunk: the common small call, kept short
         w = _words(n * words_per_item, word_dtype)
-        draw.fill(memoryview(w.base.view(np.uint8) if w.base is not None else w.view(np.uint8))
-                  [: nbytes + (-nbytes) % BLOCK_BYTES])
+        draw.fill(_block_bytes(w)[: nbytes + (-nbytes) % BLOCK_BYTES])
         body(0, n, w)
         return
     workers = _threads(nbytes)
@@ -158,7 +162,7 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
 
     def run(helper: bool) -> None:
         w = _words(step * words_per_item, word_dtype)
-        raw = memoryview(w.base.view(np.uint8) if w.base is not None else w.view(np.uint8))
+        raw = _block_bytes(w)
         while not errors:
             i = claim(helper)
             if i >= nchunks:
