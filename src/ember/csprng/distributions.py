@@ -22,7 +22,7 @@ from . import small
 from .ciphers import BLOCK_BYTES
 from .stream import BlockStream, Draw
 
-CHUNK_BYTES = 1 << 18  # keystream bytes generated and transformed at a time
+CHUNK_BYTES = 1 << 20  # keystream bytes generated and transformed at a time
 _TWO_PI = 2.0 * math.pi
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -55,20 +55,25 @@ def _flat_np(out: torch.Tensor) -> np.ndarray | None:
 
 
 def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
-            chunk_bytes: int = CHUNK_BYTES):
+            chunk_bytes: int = CHUNK_BYTES, into: np.ndarray | None = None):
     """Yield ``(a, b, words)``: the keystream words of items ``a..b``, for items ``lo..hi`` in order.
 
-    ``draw`` must be positioned at item ``lo``.
+    ``draw`` must be positioned at item ``lo``. With ``into`` (``(hi - lo) * words_per_item`` words
+    of the output's own memory) the keystream is written there, and ``words`` are views of it.
     """
     wbytes = np.dtype(word_dtype).itemsize * words_per_item
     step = max(chunk_bytes // wbytes, 1)
-    buf = _words(min(hi - lo, step) * words_per_item, word_dtype)
-    raw = memoryview(buf.view(np.uint8))
+    buf = _words(min(hi - lo, step) * words_per_item, word_dtype) if into is None else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
         nbytes = (b - a) * wbytes
-        draw.fill(raw[: nbytes + (-nbytes) % BLOCK_BYTES])
-        yield a, b, buf[: (b - a) * words_per_item]
+        if into is None:
+            draw.fill(_block_bytes(buf)[: nbytes + (-nbytes) % BLOCK_BYTES])
+            yield a, b, buf[: (b - a) * words_per_item]
+        else:
+            w = into[(a - lo) * words_per_item: (b - lo) * words_per_item]
+            draw.fill(memoryview(w.view(np.uint8)))
+            yield a, b, w
 
 
 def _signed(w: np.ndarray) -> np.ndarray:
@@ -77,12 +82,30 @@ def _signed(w: np.ndarray) -> np.ndarray:
     return w.view(w.dtype.str.replace("u", "i"))
 
 
+_scratch = threading.local()
+
+
+def _tmp(slot: str, n: int, dtype) -> np.ndarray:
+    """A scratch array of ``n`` items, kept per thread and reused by later draws.
+
+    Allocating and freeing a few MiB on every draw makes glibc hand the memory back to the
+    system and fault it in again, which can cost as much as the keystream. Each slot is used by
+    one step of one draw at a time (draws do not nest on a thread).
+    """
+    dtype = np.dtype(dtype)
+    pool = _scratch.__dict__.setdefault("pool", {})
+    buf = pool.get(slot)
+    nbytes = n * dtype.itemsize
+    if buf is None or buf.size < nbytes:
+        buf = pool[slot] = np.empty(max(nbytes, CHUNK_BYTES + BLOCK_BYTES), np.uint8)
+    return buf[: nbytes].view(dtype)
+
+
 def _words(n: int, word_dtype: type) -> np.ndarray:
-    """An array of ``n`` little-endian words with room to round its bytes up to whole blocks."""
+    """``n`` little-endian scratch words with room to round their bytes up to whole blocks."""
     dtype = np.dtype(word_dtype).newbyteorder("<")
     spare = -(-BLOCK_BYTES // dtype.itemsize)
-    return np.empty(n + spare, dtype=dtype)[:n] if n * dtype.itemsize % BLOCK_BYTES else \
-        np.empty(n, dtype=dtype)
+    return _tmp("words", n + spare, dtype)[:n]
 
 
 def _block_bytes(w: np.ndarray) -> memoryview:
@@ -114,29 +137,36 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     return _pool
 
 
-def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body) -> None:
+def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body,
+           into: np.ndarray | None = None) -> None:
     """Call ``body(a, b, words)`` over all ``n`` items, on several threads for large draws.
 
     Every chunk's keystream starts at that chunk's own first block, so the values do not depend
-    on which thread handles which chunk, nor on how many threads there are.
+    on which thread handles which chunk, nor on how many threads there are. ``into``, when given,
+    is the output's own memory as ``n * words_per_item`` words: the keystream goes there and the
+    body transforms it in place, which saves a pass over the data.
     """
     wbytes = np.dtype(word_dtype).itemsize * words_per_item
     nbytes = n * wbytes
     if nbytes <= CHUNK_BYTES:  # one chunk: the common small call, kept short
-        w = _words(n * words_per_item, word_dtype)
-        draw.fill(_block_bytes(w)[: nbytes + (-nbytes) % BLOCK_BYTES])
+        if into is None:
+            w = _words(n * words_per_item, word_dtype)
+            draw.fill(_block_bytes(w)[: nbytes + (-nbytes) % BLOCK_BYTES])
+        else:
+            w = into
+            draw.fill(memoryview(w.view(np.uint8)))
         body(0, n, w)
         return
     workers = _threads(nbytes)
     if workers == 1:
-        for a, b, w in _chunks(draw, 0, n, words_per_item, word_dtype):
+        for a, b, w in _chunks(draw, 0, n, words_per_item, word_dtype, into=into):
             body(a, b, w)
         return
-    _share_chunks(draw, n, words_per_item, word_dtype, body, PARALLEL_CHUNK_BYTES, workers)
+    _share_chunks(draw, n, words_per_item, word_dtype, body, PARALLEL_CHUNK_BYTES, workers, into)
 
 
 def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, body,
-                  chunk_bytes: int, workers: int) -> None:
+                  chunk_bytes: int, workers: int, into: np.ndarray | None = None) -> None:
     """Run ``body`` over the chunks of a draw on the calling thread and ``workers - 1`` helpers.
 
     Every thread takes the next unclaimed chunk until none is left, each chunk with a keystream
@@ -161,8 +191,9 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
             return i
 
     def run(helper: bool) -> None:
-        w = _words(step * words_per_item, word_dtype)
-        raw = _block_bytes(w)
+        if into is None:
+            w = _words(step * words_per_item, word_dtype)
+            raw = _block_bytes(w)
         while not errors:
             i = claim(helper)
             if i >= nchunks:
@@ -171,8 +202,14 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
                 a = i * step
                 b = min(a + step, n)
                 nb = (b - a) * wbytes
-                draw.part(a * wbytes // BLOCK_BYTES, blocks_for(nb)).fill(raw[: nb + (-nb) % BLOCK_BYTES])
-                body(a, b, w[: (b - a) * words_per_item])
+                part = draw.part(a * wbytes // BLOCK_BYTES, blocks_for(nb))
+                if into is None:
+                    part.fill(raw[: nb + (-nb) % BLOCK_BYTES])
+                    body(a, b, w[: (b - a) * words_per_item])
+                else:
+                    chunk = into[a * words_per_item: b * words_per_item]
+                    part.fill(memoryview(chunk.view(np.uint8)))
+                    body(a, b, chunk)
             except BaseException as exc:  # re-raised on the calling thread
                 errors.append(exc)
             finally:
@@ -204,6 +241,14 @@ class _Sink:
             np.copyto(self.np[lo:hi], values, casting="unsafe")
         else:
             self.out[lo:hi].copy_(torch.from_numpy(values))
+
+    def words(self, word: type, cd: type) -> np.ndarray | None:
+        """The output's memory as ``word``s when the values are computed in its own dtype ``cd``
+        with one word of the same width each (float32, float64): the keystream can then be
+        written into the output and transformed in place."""
+        if self.np is not None and self.np.dtype == cd:
+            return self.np.view(word)
+        return None
 
     def direct(self, lo: int, hi: int, dtype: type) -> np.ndarray | None:
         """The output slice itself when it has exactly ``dtype`` (so transforms can write in place)."""
@@ -250,18 +295,20 @@ class NativeSampler:
         scale = cd((b - a) * 2.0**-bits)
         shift = cd(a)
         sink = _Sink(out)
+        into = sink.words(word, cd)
 
         def body(lo: int, hi: int, w: np.ndarray) -> None:
             np.bitwise_and(w, mask, out=w)
             dst = sink.direct(lo, hi, cd)
-            tmp = dst if dst is not None else np.empty(hi - lo, cd)
-            np.multiply(_signed(w), scale, out=tmp, dtype=cd, casting="unsafe")
+            tmp = dst if dst is not None else _tmp("uniform", hi - lo, cd)
+            np.copyto(tmp, _signed(w), casting="unsafe")  # exact: k < 2**bits
+            np.multiply(tmp, scale, out=tmp)
             if shift != 0:
                 np.add(tmp, shift, out=tmp)
             if dst is None:
                 sink.write(lo, hi, tmp)
 
-        _drive(draw, n, 1, word, body)
+        _drive(draw, n, 1, word, body, into=into)
         if not (a == 0.0 and b == 1.0):
             if a == b:
                 out.fill_(a)
@@ -303,22 +350,22 @@ class NativeSampler:
         def body(plo: int, phi: int, w: np.ndarray) -> None:
             m = phi - plo
             lo, hi = 2 * plo, min(2 * phi, n)
-            k = np.empty((2, m), word)  # row 0: radius words, row 1: angle words (contiguous)
-            np.copyto(k, w.reshape(m, 2).T)
-            np.bitwise_and(k, mask, out=k)
-            r, th, c = np.empty(m, cd), np.empty(m, cd), np.empty(m, cd)
+            np.bitwise_and(w, mask, out=w)
+            k = _signed(w).reshape(m, 2)  # column 0: radius words, column 1: angle words
+            r, th, c = (_tmp("normal." + name, m, cd) for name in "rtc")
             # radius from u1 = (k + 1) * 2**-bits in (0, 1]; angle from u2 = k * 2**-bits
-            np.add(k[0], 1, out=k[0])
-            ks = _signed(k)
-            np.multiply(ks[0], unit, out=r, dtype=cd, casting="unsafe")
+            np.copyto(r, k[:, 0], casting="unsafe")  # exact: k < 2**bits
+            np.add(r, cd(1.0), out=r)
+            np.multiply(r, unit, out=r)
             np.log(r, out=r)
             np.multiply(r, cd(-2.0), out=r)
             np.sqrt(r, out=r)
-            np.multiply(ks[1], angle, out=th, dtype=cd, casting="unsafe")
+            np.copyto(th, k[:, 1], casting="unsafe")
+            np.multiply(th, angle, out=th)
             np.cos(th, out=c)
             np.sin(th, out=th)
             dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
-            z = dst if dst is not None else np.empty(2 * m, cd)
+            z = dst if dst is not None else _tmp("normal.z", 2 * m, cd)
             pairs_out = z.reshape(m, 2)  # (cos, sin) of each pair, interleaved
             np.multiply(c, r, out=pairs_out[:, 0])
             np.multiply(th, r, out=pairs_out[:, 1])
@@ -350,14 +397,15 @@ class NativeSampler:
         def body(lo: int, hi: int, w: np.ndarray) -> None:
             np.bitwise_and(w, mask, out=w)
             dst = sink.direct(lo, hi, cd)
-            u = dst if dst is not None else np.empty(hi - lo, cd)
-            np.add(_signed(w), cd(offset), out=u, dtype=cd, casting="unsafe")
+            u = dst if dst is not None else _tmp("unit_open", hi - lo, cd)
+            np.copyto(u, _signed(w), casting="unsafe")  # exact: k < 2**bits
+            np.add(u, cd(offset), out=u)
             np.multiply(u, unit, out=u)
             transform(u, cd)
             if dst is None:
                 sink.write(lo, hi, u)
 
-        _drive(draw, n, 1, word, body)
+        _drive(draw, n, 1, word, body, into=sink.words(word, cd))
 
     def exponential_(self, out: torch.Tensor, lambd: float = 1.0) -> None:
         lambd = float(lambd)
@@ -460,7 +508,7 @@ class NativeSampler:
         word = np.uint64 if wide else np.uint32
 
         def body(lo: int, hi: int, w: np.ndarray) -> None:
-            x = dst[lo:hi] if dst is not None else np.empty(hi - lo, np.uint64)
+            x = dst[lo:hi] if dst is not None else _tmp("integers.x", hi - lo, np.uint64)
             bad = _bounded(w, r, x)
             if bad is not None:
                 rejected.append(bad + lo)
@@ -532,7 +580,7 @@ class NativeSampler:
         thr_scalar = np.uint64(math.floor(math.ldexp(p, 64))) if pn is None else None
 
         def body(lo: int, hi: int, w: np.ndarray) -> None:
-            rc = np.empty(hi - lo, bool)
+            rc = _tmp("bernoulli", hi - lo, bool)
             if thr_scalar is not None:
                 np.less(w, thr_scalar, out=rc)
             else:
@@ -683,14 +731,17 @@ def _bounded(w: np.ndarray, r: int, x: np.ndarray) -> np.ndarray | None:
         return None
     if bits == 32:
         np.multiply(w, np.uint64(r), out=x)
-        low = np.multiply(w, np.uint32(r))  # the low 32 bits of the product (wrapping)
+        # the low 32 bits of the product (wrapping)
+        low = np.multiply(w, np.uint32(r), out=_tmp("bounded.low", w.size, np.uint32))
         np.right_shift(x, np.uint64(32), out=x)
-        bad = low < np.uint32((1 << 32) % r)
+        threshold = np.uint32((1 << 32) % r)
     else:
         hi, low = _mul64(w, r)
         x[...] = hi
-        bad = low < np.uint64((1 << 64) % r)
-    return np.flatnonzero(bad) if bad.any() else None
+        threshold = np.uint64((1 << 64) % r)
+    if low.min() >= threshold:  # the common case: one pass, no temporary
+        return None
+    return np.flatnonzero(low < threshold)
 
 
 def _mul64(w: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
