@@ -252,7 +252,7 @@ class ShardDataset(IterableDataset):
     def _shard_samples(self, urls: list[str], policy: _ErrorPolicy) -> Iterator[dict]:
         for url in urls:
             try:
-                yield from iter_shard(url, self.options)
+                yield from _samples(open_url(url, self.options), url)  # iter_shard, inlined
             except ShardError as exc:
                 policy(exc)
 

@@ -70,21 +70,27 @@ def group_samples(
     """
     current: dict[str, object] | None = None
     key = None
+    lowered: dict[str, str] = {}  # extension -> lower case: the same few repeat in every sample
     for name, data, offset in members:
         slash = name.rfind("/") + 1
         dot = name.find(".", slash)
         if dot < 0:
             continue
-        last = name[slash:]
-        if last[:2] == "__" and last[-2:] == "__":
+        if name[slash] == "_" and name.startswith("__", slash) and name.endswith("__"):
             continue
         k = name[:dot]
-        ext = name[dot + 1 :].lower()
         if k != key or current is None:
             if current is not None:
                 yield current
             current = {"__key__": k, "__url__": url}
             key = k
+        ext = name[dot + 1 :]
+        low = lowered.get(ext)
+        if low is None:
+            if len(lowered) >= 256:
+                lowered.clear()
+            low = lowered[ext] = ext.lower()
+        ext = low
         if ext in current:
             if ext in META_KEYS:
                 raise FormatError(f"member {name!r} uses the reserved extension {ext!r}", url, offset)
