@@ -6,6 +6,7 @@ blocks, little-endian words, and the per-op formulas in plain Python and NumPy.
 
 import hashlib
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -100,6 +101,23 @@ def test_exponential_cauchy_geometric_float64():
     want = [math.ceil(math.log(((w & (2**52 - 1)) + 0.5) * 2.0**-52) / math.log1p(-0.3))
             for w in ref.words(9, 8)]
     assert np.array_equal(got, want)
+    assert g.counter == ref.counter
+
+
+def test_geometric_counts_past_float16_range_are_inf_without_a_warning():
+    # torch rounds such counts to inf as well; NumPy's cast warning must not leak to the user
+    n = 500  # above the small-draw path
+    ref, g = Reference(12), csprng.create_generator(12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.empty(n, dtype=torch.float16).geometric_(1e-5, generator=g).numpy()
+    exact = [math.ceil(math.log(((w & (2**52 - 1)) + 0.5) * 2.0**-52) / math.log1p(-1e-5))
+             for w in ref.words(n, 8)]
+    want = np.array(exact, dtype=np.float64)
+    big = want > 65504
+    assert big.any() and (~big).any()
+    assert np.isinf(got[big]).all()
+    assert np.array_equal(got[~big], want[~big].astype(np.float16))
     assert g.counter == ref.counter
 
 

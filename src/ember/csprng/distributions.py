@@ -463,7 +463,8 @@ class NativeSampler:
                 u[big] = np.iinfo(np.int64).max
             else:
                 np.minimum(u, limit, out=u)
-            sink.write(lo, hi, u)
+            with np.errstate(over="ignore"):  # counts past a float dtype's range are inf, as in torch
+                sink.write(lo, hi, u)
 
         _drive(draw, n, 1, np.uint64, body)
 
