@@ -115,7 +115,8 @@ def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None 
     if out is not None:
         if dtype is not None and out.dtype != dtype:
             raise RuntimeError(f"dtype {dtype} does not match the dtype of out= ({out.dtype})")
-        out.resize_(size)
+        if out.shape != size:
+            out.resize_(size)
         return out, requires_grad, False
     t = torch.empty(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
     return t, requires_grad, True
