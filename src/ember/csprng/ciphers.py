@@ -41,6 +41,9 @@ class _OpenSSLCTRWriter:
     def fill(self, out: memoryview) -> None:
         n = len(out)
         zeros = _ZEROS
+        if n <= len(zeros):  # the common case: one OpenSSL call
+            self._enc.update_into(zeros[:n], out)
+            return
         off = 0
         while off < n:
             step = min(n - off, len(zeros))

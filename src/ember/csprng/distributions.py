@@ -61,7 +61,7 @@ def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
     ``draw`` must be positioned at item ``lo``. With ``into`` (``(hi - lo) * words_per_item`` words
     of the output's own memory) the keystream is written there, and ``words`` are views of it.
     """
-    wbytes = np.dtype(word_dtype).itemsize * words_per_item
+    wbytes = _ITEMSIZE[word_dtype] * words_per_item
     step = max(chunk_bytes // wbytes, 1)
     buf = _words(min(hi - lo, step) * words_per_item, word_dtype) if into is None else None
     for a in range(lo, hi, step):
@@ -76,10 +76,15 @@ def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
             yield a, b, w
 
 
+_SIGNED = {np.dtype(f"{order}u{size}"): np.dtype(f"{order}i{size}")
+           for order in "<>=" for size in (1, 2, 4, 8)}
+_ITEMSIZE = {np.uint16: 2, np.uint32: 4, np.uint64: 8}
+
+
 def _signed(w: np.ndarray) -> np.ndarray:
     """``w`` viewed as signed integers: NumPy converts those to floats faster than unsigned ones
     (the same values, since every caller has masked the words below the sign bit)."""
-    return w.view(w.dtype.str.replace("u", "i"))
+    return w.view(_SIGNED[w.dtype])
 
 
 _scratch = threading.local()
@@ -146,7 +151,7 @@ def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body,
     is the output's own memory as ``n * words_per_item`` words: the keystream goes there and the
     body transforms it in place, which saves a pass over the data.
     """
-    wbytes = np.dtype(word_dtype).itemsize * words_per_item
+    wbytes = _ITEMSIZE[word_dtype] * words_per_item
     nbytes = n * wbytes
     if nbytes <= CHUNK_BYTES:  # one chunk: the common small call, kept short
         if into is None:
@@ -174,7 +179,7 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
     already claimed: a helper that wakes up late (waking a pool thread takes tens of microseconds
     on small VMs) finds the work done and just returns.
     """
-    wbytes = np.dtype(word_dtype).itemsize * words_per_item
+    wbytes = _ITEMSIZE[word_dtype] * words_per_item
     step = max(chunk_bytes // wbytes, 1)
     nchunks = -(-n // step)
     lock = threading.Lock()
@@ -288,7 +293,7 @@ class NativeSampler:
             word, cd = np.uint32, np.float32
         else:  # 16-bit floats: one 16-bit word per value, exactly on the dtype's grid
             word, cd = np.uint16, np.float32
-        draw = self._draw(n * np.dtype(word).itemsize)
+        draw = self._draw(n * _ITEMSIZE[word])
         if n == 0:
             return
         mask = word((1 << bits) - 1)
@@ -337,7 +342,7 @@ class NativeSampler:
             return
         word, cd, bits = _compute(out.dtype)
         pairs = (n + 1) // 2
-        draw = self._draw(pairs * 2 * np.dtype(word).itemsize)
+        draw = self._draw(pairs * 2 * _ITEMSIZE[word])
         if n == 0:
             return
         mask = word((1 << bits) - 1)
@@ -385,7 +390,7 @@ class NativeSampler:
         _check_dtype(op, out.dtype, FLOAT_DTYPES)
         n = out.numel()
         word, cd, bits = _compute(out.dtype)
-        draw = self._draw(n * np.dtype(word).itemsize)
+        draw = self._draw(n * _ITEMSIZE[word])
         if n == 0:
             return
         if offset != 1.0:  # k + offset must stay exact and below 2**bits: one bit fewer
