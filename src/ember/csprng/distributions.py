@@ -97,13 +97,15 @@ def _tmp(slot: str, n: int, dtype) -> np.ndarray:
     system and fault it in again, which can cost as much as the keystream. Each slot is used by
     one step of one draw at a time (draws do not nest on a thread).
     """
-    dtype = np.dtype(dtype)
-    pool = _scratch.__dict__.setdefault("pool", {})
+    try:
+        pool = _scratch.pool
+    except AttributeError:
+        pool = _scratch.pool = {}
     buf = pool.get(slot)
-    nbytes = n * dtype.itemsize
+    nbytes = n * np.dtype(dtype).itemsize
     if buf is None or buf.size < nbytes:
         buf = pool[slot] = np.empty(max(nbytes, CHUNK_BYTES + BLOCK_BYTES), np.uint8)
-    return buf[: nbytes].view(dtype)
+    return buf[:nbytes].view(dtype)
 
 
 def _words(n: int, word_dtype: type) -> np.ndarray:
@@ -745,7 +747,7 @@ def _bounded(w: np.ndarray, r: int, x: np.ndarray) -> np.ndarray | None:
         hi, low = _mul64(w, r)
         x[...] = hi
         threshold = np.uint64((1 << 64) % r)
-    if low.min() >= threshold:  # the common case: one pass, no temporary
+    if np.minimum.reduce(low) >= threshold:  # the common case: one pass, no temporary
         return None
     return np.flatnonzero(low < threshold)
 
