@@ -120,11 +120,12 @@ def _block_bytes(w: np.ndarray) -> memoryview:
     return memoryview(w.base.view(np.uint8) if w.base is not None else w.view(np.uint8))
 
 
-# Draws of at least this much keystream are split across threads. Below it one thread is faster
-# here: the keystream is made with the GIL held, and each GIL hand-off between threads costs tens of
-# microseconds on small VMs (measured in bench/csprng.py: 2 threads lose at 1-4 MiB, win at 16-64).
-PARALLEL_BYTES = 16 << 20
-# Threads work on larger chunks: fewer Python-level steps means fewer GIL hand-offs.
+# Draws of at least this much keystream are split across threads (OpenSSL and NumPy release the
+# GIL). Below it there is a single chunk: waking a thread and collecting its result costs about
+# 50 us on small VMs, and 1 MiB draws gained nothing measurable; 2, 4 and 16 MiB draws gained
+# 10-60% with two threads over one (rand, randn, randint; 2-vCPU VM).
+PARALLEL_BYTES = 2 << 20
+# Threads work on 1 MiB chunks: smaller ones (256 KiB) lost a third of the speed to GIL hand-offs.
 PARALLEL_CHUNK_BYTES = 1 << 20
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
