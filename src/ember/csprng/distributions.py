@@ -27,6 +27,7 @@ _TWO_PI = 2.0 * math.pi
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_REAL_DTYPES = (torch.bool,) + _INT_DTYPES + FLOAT_DTYPES  # what random_ and bernoulli_ fill
 _MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 
 
@@ -485,7 +486,7 @@ class NativeSampler:
     def random_range_(self, out: torch.Tensor, low: int, high: int) -> None:
         """Uniform integers in ``[low, high)``, exactly unbiased."""
         dtype = out.dtype
-        _check_dtype("random_", dtype, (torch.bool,) + _INT_DTYPES + FLOAT_DTYPES)
+        _check_dtype("random_", dtype, _REAL_DTYPES)
         low, high = int(low), int(high)
         if high <= low:
             raise ValueError(f"random_: expected from < to, got from={low}, to={high}")
@@ -558,7 +559,7 @@ class NativeSampler:
     # ------------------------------------------------------------------ bernoulli
     def bernoulli_(self, out: torch.Tensor, p: float | torch.Tensor = 0.5) -> None:
         """1 with probability p, else 0: compares a 64-bit word with floor(p * 2**64)."""
-        _check_dtype("bernoulli_", out.dtype, (torch.bool,) + _INT_DTYPES + FLOAT_DTYPES)
+        _check_dtype("bernoulli_", out.dtype, _REAL_DTYPES)
         n = out.numel()
         if isinstance(p, torch.Tensor):
             if p.is_complex() or not (p.is_floating_point() or p.dtype == torch.bool):
@@ -794,6 +795,7 @@ def _below(b: float, dtype: torch.dtype) -> float:
     return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype)))
 
 
+@functools.cache
 def representable_range(dtype: torch.dtype) -> tuple[int, int]:
     """The integers ``dtype`` holds exactly (for floats: the contiguous range ±2**digits)."""
     if dtype == torch.bool:
