@@ -123,8 +123,8 @@ def _block_bytes(w: np.ndarray) -> memoryview:
 
 # Draws of at least this much keystream are split across threads (OpenSSL and NumPy release the
 # GIL). Below it there is a single chunk: waking a thread and collecting its result costs about
-# 50 us on small VMs, and 1 MiB draws gained nothing measurable; 2, 4 and 16 MiB draws gained
-# 10-60% with two threads over one (rand, randn, randint; 2-vCPU VM).
+# 50 us on small VMs, and 1 MiB draws gained nothing measurable; 4 and 16 MiB draws were up to
+# 1.8x faster on two threads than on one (randn most, randint least; 2-vCPU VM).
 PARALLEL_BYTES = 2 << 20
 # Threads work on 1 MiB chunks: smaller ones (256 KiB) lost a third of the speed to GIL hand-offs.
 PARALLEL_CHUNK_BYTES = 1 << 20
