@@ -62,19 +62,16 @@ def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
     ``draw`` must be positioned at item ``lo``. With ``into`` (``(hi - lo) * words_per_item`` words
     of the output's own memory) the keystream is written there, and ``words`` are views of it.
     """
-    wbytes = _ITEMSIZE[word_dtype] * words_per_item
-    step = max(chunk_bytes // wbytes, 1)
+    step = max(chunk_bytes // (_ITEMSIZE[word_dtype] * words_per_item), 1)
     buf = _words(min(hi - lo, step) * words_per_item, word_dtype) if into is None else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
-        nbytes = (b - a) * wbytes
         if into is None:
-            draw.fill(_block_bytes(buf)[: nbytes + (-nbytes) % BLOCK_BYTES])
-            yield a, b, buf[: (b - a) * words_per_item]
+            w = buf[: (b - a) * words_per_item]
         else:
             w = into[(a - lo) * words_per_item: (b - lo) * words_per_item]
-            draw.fill(memoryview(w.view(np.uint8)))
-            yield a, b, w
+        draw.fill(_bytes(w))
+        yield a, b, w
 
 
 _SIGNED = {np.dtype(f"{order}u{size}"): np.dtype(f"{order}i{size}")
@@ -105,20 +102,19 @@ def _tmp(slot: str, n: int, dtype) -> np.ndarray:
     buf = pool.get(slot)
     nbytes = n * np.dtype(dtype).itemsize
     if buf is None or buf.size < nbytes:
-        buf = pool[slot] = np.empty(max(nbytes, CHUNK_BYTES + BLOCK_BYTES), np.uint8)
+        buf = pool[slot] = np.empty(max(nbytes, CHUNK_BYTES), np.uint8)
     return buf[:nbytes].view(dtype)
 
 
 def _words(n: int, word_dtype: type) -> np.ndarray:
-    """``n`` little-endian scratch words with room to round their bytes up to whole blocks."""
-    dtype = np.dtype(word_dtype).newbyteorder("<")
-    spare = -(-BLOCK_BYTES // dtype.itemsize)
-    return _tmp("words", n + spare, dtype)[:n]
+    """``n`` little-endian scratch words."""
+    return _tmp("words", n, np.dtype(word_dtype).newbyteorder("<"))
 
 
-def _block_bytes(w: np.ndarray) -> memoryview:
-    """The bytes of a ``_words`` array, including its spare room up to a whole block."""
-    return memoryview(w.base.view(np.uint8) if w.base is not None else w.view(np.uint8))
+def _bytes(w: np.ndarray) -> memoryview:
+    """The bytes of a contiguous word array, for ``Draw.fill`` (which completes a partial last
+    block itself)."""
+    return memoryview(w.view(np.uint8))
 
 
 # Draws of at least this much keystream are split across threads (OpenSSL and NumPy release the
@@ -158,12 +154,8 @@ def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body,
     wbytes = _ITEMSIZE[word_dtype] * words_per_item
     nbytes = n * wbytes
     if nbytes <= CHUNK_BYTES:  # one chunk: the common small call, kept short
-        if into is None:
-            w = _words(n * words_per_item, word_dtype)
-            draw.fill(_block_bytes(w)[: nbytes + (-nbytes) % BLOCK_BYTES])
-        else:
-            w = into
-            draw.fill(memoryview(w.view(np.uint8)))
+        w = _words(n * words_per_item, word_dtype) if into is None else into
+        draw.fill(_bytes(w))
         body(0, n, w)
         return
     workers = _threads(nbytes)
@@ -200,9 +192,7 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
             return i
 
     def run(helper: bool) -> None:
-        if into is None:
-            w = _words(step * words_per_item, word_dtype)
-            raw = _block_bytes(w)
+        buf = _words(step * words_per_item, word_dtype) if into is None else None
         while not errors:
             i = claim(helper)
             if i >= nchunks:
@@ -211,14 +201,12 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
                 a = i * step
                 b = min(a + step, n)
                 nb = (b - a) * wbytes
-                part = draw.part(a * wbytes // BLOCK_BYTES, blocks_for(nb))
                 if into is None:
-                    part.fill(raw[: nb + (-nb) % BLOCK_BYTES])
-                    body(a, b, w[: (b - a) * words_per_item])
+                    w = buf[: (b - a) * words_per_item]
                 else:
-                    chunk = into[a * words_per_item: b * words_per_item]
-                    part.fill(memoryview(chunk.view(np.uint8)))
-                    body(a, b, chunk)
+                    w = into[a * words_per_item: b * words_per_item]
+                draw.part(a * wbytes // BLOCK_BYTES, blocks_for(nb)).fill(_bytes(w))
+                body(a, b, w)
             except BaseException as exc:  # re-raised on the calling thread
                 errors.append(exc)
             finally:
