@@ -152,21 +152,14 @@ def test_loader_state_dict_resume_at_random_points(twelve, num_workers, stop_and
             assert resumed.epoch == 1
 
 
-def test_loader_resume_then_next_epoch_matches(twelve):
+def test_loader_resume_then_next_epoch_matches(twelve, stop_and_resume):
     pattern, _ = twelve
-    ref = ShardLoader(ShardDataset(pattern, seed=4).shuffle(8), num_workers=2)
+    make = lambda: ShardDataset(pattern, seed=4).shuffle(8)  # noqa: E731
+    ref = ShardLoader(make(), num_workers=2)
     ep0 = [_key(s) for s in ref]
     ep1 = [_key(s) for s in ref]
-    loader = ShardLoader(ShardDataset(pattern, seed=4).shuffle(8), num_workers=2)
-    head = []
-    for s in loader:
-        head.append(_key(s))
-        if len(head) == 50:
-            break
-    state = loader.state_dict()
-    again = ShardLoader(ShardDataset(pattern, seed=4).shuffle(8), num_workers=2)
-    again.load_state_dict(state)
-    assert head + [_key(s) for s in again] == ep0
+    head, rest, again, _ = stop_and_resume(make, 2, 50)
+    assert head + rest == ep0
     assert [_key(s) for s in again] == ep1 and ep0 != ep1
 
 
