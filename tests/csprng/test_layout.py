@@ -44,6 +44,31 @@ def generator_at(seed: int, counter: int):
 COUNTERS = [0, 2**32 - 3, 2**64 - 2]
 
 
+def normal_pairs(n: int):
+    """(radius word, angle word, cosine element, sine element) of each Box-Muller pair of an
+    ``n``-value draw, from the document's group rule (sine element ``None`` where it is dropped)."""
+    group, pairs = 16384, (n + 1) // 2
+    out = []
+    for j in range(pairs):
+        g, i = divmod(j, group)
+        q = min(group, pairs - g * group)
+        base = 2 * g * group
+        out.append((base + i, base + q + i, base + i, base + q + i if base + q + i < n else None))
+    return out
+
+
+def normal_values(n: int, words: list[int], pair_values) -> list:
+    """Place ``pair_values(k0, k1) -> (cos value, sin value)`` of every pair at its elements."""
+    got = [None] * n
+    for kr, kt, ec, es in normal_pairs(n):
+        zc, zs = pair_values(words[kr], words[kt])
+        got[ec] = zc
+        if es is not None:
+            got[es] = zs
+    assert None not in got
+    return got
+
+
 @pytest.mark.parametrize("counter", COUNTERS)
 def test_uniform_float32_and_float64(counter):
     ref = Reference(3, counter)
@@ -74,18 +99,44 @@ def test_uniform_general_interval_float32():
     assert np.array_equal(got, np.array(want, np.float32))
 
 
-@pytest.mark.parametrize("n", [1, 8, 9])
+@pytest.mark.parametrize("n", [1, 8, 9, 2 * 16384, 2 * 16384 + 1, 4 * 16384 + 7])
 def test_normal_float64_pairs(n):
     ref, g = Reference(6), csprng.create_generator(6)
     got = torch.randn(n, generator=g, dtype=torch.float64).numpy()
     w = ref.words(2 * ((n + 1) // 2), 8)
-    want = []
-    for k0, k1 in zip(w[0::2], w[1::2], strict=True):
+
+    def pair(k0, k1):
         r = math.sqrt(-2.0 * math.log(((k0 & (2**53 - 1)) + 1) * 2.0**-53))
         t = (k1 & (2**53 - 1)) * (2 * math.pi * 2.0**-53)
-        want += [r * math.cos(t), r * math.sin(t)]
-    np.testing.assert_allclose(got, want[:n], rtol=4e-16, atol=4e-16)  # libm vs NumPy: an ulp or two
+        return r * math.cos(t), r * math.sin(t)
+
+    want = normal_values(n, w, pair)
+    np.testing.assert_allclose(got, want, rtol=4e-16, atol=4e-16)  # libm vs NumPy: an ulp or two
     assert g.counter == ref.counter
+
+
+def test_normal_groups_through_chunks_and_threads(monkeypatch):
+    """Chunked and threaded draws keep whole groups together (small chunks force many of them)."""
+    from ember.csprng import distributions
+
+    n = 6 * 16384 + 5  # four groups, the last one short
+    ref = Reference(8)
+    w = ref.words(2 * ((n + 1) // 2), 8)
+
+    def pair(k0, k1):
+        r = math.sqrt(-2.0 * math.log(((k0 & (2**53 - 1)) + 1) * 2.0**-53))
+        t = (k1 & (2**53 - 1)) * (2 * math.pi * 2.0**-53)
+        return r * math.cos(t), r * math.sin(t)
+
+    want = normal_values(n, w, pair)
+    monkeypatch.setattr(distributions, "CHUNK_BYTES", 4096)
+    got = torch.randn(n, generator=csprng.create_generator(8), dtype=torch.float64).numpy()
+    np.testing.assert_allclose(got, want, rtol=4e-16, atol=4e-16)
+    monkeypatch.setattr(distributions, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(distributions, "PARALLEL_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(distributions, "_threads", lambda nbytes: 3)
+    got = torch.randn(n, generator=csprng.create_generator(8), dtype=torch.float64).numpy()
+    np.testing.assert_allclose(got, want, rtol=4e-16, atol=4e-16)
 
 
 def test_exponential_cauchy_geometric_float64():
@@ -261,20 +312,22 @@ def test_random_default_range_per_dtype(dtype, r):
     assert g.counter == ref.counter
 
 
-@pytest.mark.parametrize("n", [1, 7])
+@pytest.mark.parametrize("n", [1, 7, 65, 2 * 16384 + 3])
 def test_normal_float32_pairs_odd_lengths(n):
     ref, g = Reference(33), csprng.create_generator(33)
     got = torch.randn(n, generator=g).numpy()
     w = ref.words(2 * ((n + 1) // 2), 4)
     f = np.float32
-    want = []
-    for k0, k1 in zip(w[0::2], w[1::2], strict=True):
+
+    def pair(k0, k1):
         r = np.sqrt(f(-2) * np.log(f((k0 & (2**24 - 1)) + 1) * f(2.0**-24)))
         t = f(k1 & (2**24 - 1)) * f(2 * math.pi * 2.0**-24)
-        want += [r * np.cos(t), r * np.sin(t)]
+        return r * np.cos(t), r * np.sin(t)
+
+    want = normal_values(n, w, pair)
     # float32 log/sqrt/cos/sin may differ by a few ulp between libraries; |z| < 6 and t < 2*pi, so 1e-5
     # absolute covers several float32 ulps of every intermediate
-    np.testing.assert_allclose(got, np.array(want[:n], np.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, np.array(want, np.float32), rtol=1e-5, atol=1e-5)
     assert g.counter == ref.counter
 
 

@@ -102,6 +102,17 @@ def _cr(name: str):
     return lambda x: getattr(np, name)(x.astype(np.float64)).astype(np.float32)
 
 
+def normal_pair_words(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(radius word, angle word) indexes of each pair of an ``n``-value normal draw: groups of 16384
+    pairs, each with its radius words first and its angle words second (docs/csprng-stream.md)."""
+    group, pairs = 16384, (n + 1) // 2
+    j = np.arange(pairs)
+    g = j // group
+    q = np.minimum(pairs - g * group, group)
+    radius = 2 * g * group + (j - g * group)
+    return radius, radius + q
+
+
 def reference_f32(method: str, w: np.ndarray, n: int, params: tuple) -> np.ndarray:
     """The float32 values of docs/csprng-stream.md from 32-bit words ``w``, with correctly rounded
     log/exp/sin/cos/tan: what the kernels compute (see triton_kernels)."""
@@ -110,11 +121,13 @@ def reference_f32(method: str, w: np.ndarray, n: int, params: tuple) -> np.ndarr
     k = w & np.uint32((1 << m) - 1)
     if method in ("normal_", "log_normal_"):
         mean, std = params or ((1.0, 2.0) if method == "log_normal_" else (0.0, 1.0))
-        k = k[: 2 * ((n + 1) // 2)].reshape(-1, 2)
-        u = (k[:, 0] + 1).astype(f32) * f32(2.0**-m)
+        radius, angle = normal_pair_words(n)  # the sine element of a pair sits at its angle word
+        u = (k[radius] + 1).astype(f32) * f32(2.0**-m)
         r = np.sqrt(_cr("log")(u) * f32(-2.0))
-        t = k[:, 1].astype(f32) * f32(2 * math.pi * 2.0**-m)
-        z = np.stack([r * _cr("cos")(t), r * _cr("sin")(t)], 1).reshape(-1)[:n]
+        t = k[angle].astype(f32) * f32(2 * math.pi * 2.0**-m)
+        z = np.empty(2 * len(radius), f32)
+        z[radius], z[angle] = r * _cr("cos")(t), r * _cr("sin")(t)
+        z = z[:n]
         if not (mean == 0.0 and std == 1.0):
             z = z * f32(std) + f32(mean)
         return _cr("exp")(z) if method == "log_normal_" else z
@@ -290,6 +303,34 @@ def test_lengths_that_are_not_a_multiple_of_the_block(cipher, n, case):
     assert torch.equal(ref, got)
 
 
+def test_normal_across_groups():
+    """Two full groups of pairs and a short odd one: the documented pairing, bit for bit."""
+    n = 4 * 16384 + 9
+    cpu, got = pair("aes128", 7, "normal_", torch.float32, n, (0.5, 3.0))
+    ref = reference_f32("normal_", words("aes128", 7, nwords("normal_", n), 4), n, (0.5, 3.0))
+    assert np.array_equal(got.numpy(), ref)
+    assert float((cpu - got).abs().max()) < 1e-4  # a few float32 ulp (|z * 3 + 0.5| < 20)
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_normal_groups_follow_the_group_size(monkeypatch, cipher, dtype):
+    """With groups of 64 pairs (patched on both sides, to keep the interpreter quick) the kernel
+    and the CPU sampler still pair the same words."""
+    from ember.csprng import distributions
+
+    monkeypatch.setattr(distributions, "NORMAL_GROUP", 64)
+    n = 4 * 64 + 9
+    cpu, got = pair(cipher, 7, "normal_", dtype, n, (0.5, 3.0))
+    if dtype == torch.float64:
+        assert torch.equal(cpu, got)
+    else:
+        assert float((cpu - got).abs().max()) < 1e-4
+    monkeypatch.setattr(distributions, "NORMAL_GROUP", 16384)
+    other, _ = pair(cipher, 7, "normal_", dtype, n, (0.5, 3.0))
+    assert not torch.equal(other, cpu)  # the group size matters: the patch took effect
+
+
 @pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize(
     "case",
@@ -461,10 +502,6 @@ AOT_CASES = [
     ("uniform_ f64", "*fp64", "uniform_", 8, 53, True, True, True, False),
     ("uniform_ f16", "*fp16", "uniform_", 2, 11, False, True, True, False),
     ("uniform_ bf16", "*i16", "uniform_", 2, 8, False, False, False, True),
-    ("normal_ f32", "*fp32", "normal_", 4, 24, False, True, False, False),
-    ("normal_ f64", "*fp64", "normal_", 8, 53, True, True, False, False),
-    ("log_normal_ f16", "*fp16", "log_normal_", 4, 24, False, False, False, False),
-    ("log_normal_ bf16", "*i16", "log_normal_", 4, 24, False, True, False, True),
     ("exponential_ f32", "*fp32", "exponential_", 4, 24, False, False, False, False),
     ("exponential_ f64", "*fp64", "exponential_", 8, 53, True, False, False, False),
     ("cauchy_ f32", "*fp32", "cauchy_", 4, 23, False, False, False, False),
@@ -475,12 +512,13 @@ AOT_CASES = [
     ("random_ i64 32-bit Lemire", "*i64", "integer", 4, 0, False, False, False, False),
     ("random_ i64 64-bit Lemire", "*i64", "integer", 8, 0, False, False, False, False),
     ("random_ u8 power of two", "*u8", "integer", 4, 0, False, True, False, False),
+    ("normal_ words 32-bit", "*i32", "integer", 4, 0, False, True, False, False),
     ("random_ f32", "*fp32", "integer", 4, 0, False, False, False, False),
     ("random_ bf16", "*i16", "integer", 4, 0, False, False, False, True),
     ("bernoulli_ tensor p", "*u8", "bernoulli_", 8, 0, False, True, False, False),
     ("bernoulli_ f64", "*fp64", "bernoulli_", 8, 0, False, False, False, False),
 ]
-FAST_AOT = {"uniform_ f32", "normal_ f32"}
+FAST_AOT = {"uniform_ f32", "normal_ words 32-bit"}
 
 
 def _nvidia_compiler():
@@ -517,7 +555,8 @@ def _aot_params():
 
 @pytest.mark.parametrize("cipher,case", list(_aot_params()))
 def test_fill_kernel_compiles_for_sm90(cipher, case):
-    """Fast: ChaCha20 uniform and normal float32; the rest are ``slow`` (about 8 s per AES case)."""
+    """Fast: ChaCha20 uniform float32 and normal's words; the rest are ``slow`` (about 8 s per AES
+    case)."""
     k, compile_ptx = _nvidia_compiler()
     name, out_ty, op, wb, mbits, f64, flag, flag2, via = case
     sig = {
@@ -556,8 +595,29 @@ def test_fill_kernel_compiles_for_sm90(cipher, case):
     assert ".approx.f32" not in ptx and ".approx.ftz.f32" not in ptx  # no fast float32 math
     if op in ("uniform_", "integer", "bernoulli_"):
         assert "fma." not in ptx
-    if op in ("normal_", "log_normal_"):
-        assert "sqrt.rn.f32" in ptx or f64
+
+
+@pytest.mark.parametrize(
+    "out_ty,words_ty,mbits,f64,affine,log,bf16",
+    [
+        ("*fp32", "*i32", 24, False, True, False, False),
+        ("*fp64", "*i64", 53, True, True, False, False),
+        ("*fp16", "*i32", 24, False, False, True, False),
+        ("*i16", "*i32", 24, False, True, True, True),
+    ],
+    ids=["normal f32", "normal f64", "log_normal f16", "log_normal bf16"],
+)
+def test_normal_kernel_compiles_for_sm90(out_ty, words_ty, mbits, f64, affine, log, bf16):
+    k, compile_ptx = _nvidia_compiler()
+    sig = {"out_ptr": out_ty, "words_ptr": words_ty, "fp_ptr": "*fp64", "n": "i64", "pairs": "i64"}
+    ptx = compile_ptx(
+        k.normal_kernel,
+        sig,
+        dict(GROUP=16384, MBITS=mbits, F64=f64, AFFINE=affine, LOG=log, BF16=bf16, BLOCK=256),
+    )
+    assert "fma.rn.f32" not in ptx  # float32 steps stay separate multiplies and adds
+    assert ".approx.f32" not in ptx and ".approx.ftz.f32" not in ptx  # no fast float32 math
+    assert "sqrt.rn.f32" in ptx or f64
 
 
 @pytest.mark.parametrize(

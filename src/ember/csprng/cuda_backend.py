@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import distributions
 from .distributions import NativeSampler, blocks_for, default_range
 from .stream import BlockStream, derive_key
 
@@ -353,12 +354,18 @@ class _Fill:
         return tuple(self.params) + defaults[len(self.params) :]
 
     def run(
-        self, start: int, nbytes: int, spec: _Launch, rejects: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        start: int,
+        nbytes: int,
+        spec: _Launch,
+        rejects: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> None:
+        """Launch the fill kernel over the draw's ``nbytes`` into the output (or into ``out``)."""
         table = _device_table(self.stream.cipher_name, self.stream.key, self.out.device)
-        spec.bf16 = self.dtype == torch.bfloat16
+        spec.bf16 = self.dtype == torch.bfloat16 and out is None
         launch(
-            self.out,
+            self.out if out is None else out,
             table,
             self.stream.cipher_name,
             start,
@@ -404,20 +411,38 @@ def _normal_family(log: bool):
     def fill(f: _Fill) -> None:
         mean, std = (float(v) for v in f.arg((1.0, 2.0) if log else (0.0, 1.0)))
         cd, wb, bits = _compute(f.dtype)
-        nbytes = (f.n + 1) // 2 * 2 * wb
+        pairs = (f.n + 1) // 2
+        nbytes = pairs * 2 * wb
         start = f.stream.reserve(blocks_for(nbytes))
         if f.n == 0:
             return
-        spec = _Launch(
-            f.k.LOG_NORMAL if log else f.k.NORMAL,
-            wb,
-            bits,
-            cd is np.float64,
+        # the words first (the INTEGER op with the full mask stores each word as it is), then
+        # Box-Muller over the groups of pairs, which pair words that lie far apart in the stream
+        words = torch.empty(2 * pairs, dtype=torch.int64 if wb == 8 else torch.int32, device=f.out.device)
+        f.run(start, nbytes, _Launch(f.k.INTEGER, wb, 0, False, [], [_i64((1 << (8 * wb)) - 1), 0, 0],
+                                     flag=True), out=words)
+        fp = torch.tensor(
             [float(cd(2.0**-bits)), float(cd(2.0 * math.pi * 2.0**-bits)), float(cd(std)), float(cd(mean))],
-            [],
-            flag=not (mean == 0.0 and std == 1.0),
+            dtype=torch.float64,
+            device=f.out.device,
         )
-        f.run(start, nbytes, spec)
+        block = 256
+        extra: dict[str, Any] = {} if f.k.INTERPRETED else {"enable_fp_fusion": False}
+        f.k.normal_kernel[(-(-pairs // block),)](
+            f.out,
+            words,
+            fp,
+            f.n,
+            pairs,
+            GROUP=distributions.NORMAL_GROUP,
+            MBITS=bits,
+            F64=cd is np.float64,
+            AFFINE=not (mean == 0.0 and std == 1.0),
+            LOG=log,
+            BF16=f.dtype == torch.bfloat16,
+            BLOCK=block,
+            **extra,
+        )
 
     return fill
 

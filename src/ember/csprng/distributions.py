@@ -55,14 +55,22 @@ def _flat_np(out: torch.Tensor) -> np.ndarray | None:
     return out.numpy().reshape(-1)  # contiguous: a view
 
 
+def _step(chunk_bytes: int, wbytes: int, granule: int) -> int:
+    """Items per chunk: as many as fit in ``chunk_bytes``, a positive multiple of ``granule``."""
+    return max(chunk_bytes // wbytes // granule, 1) * granule
+
+
 def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
-            chunk_bytes: int = CHUNK_BYTES, into: np.ndarray | None = None):
+            chunk_bytes: int | None = None, into: np.ndarray | None = None, granule: int = 1):
     """Yield ``(a, b, words)``: the keystream words of items ``a..b``, for items ``lo..hi`` in order.
 
     ``draw`` must be positioned at item ``lo``. With ``into`` (``(hi - lo) * words_per_item`` words
     of the output's own memory) the keystream is written there, and ``words`` are views of it.
+    Every chunk but the last holds a multiple of ``granule`` items.
     """
-    step = max(chunk_bytes // (_ITEMSIZE[word_dtype] * words_per_item), 1)
+    if chunk_bytes is None:  # looked up per call, so that tests can shrink the chunks
+        chunk_bytes = CHUNK_BYTES
+    step = _step(chunk_bytes, _ITEMSIZE[word_dtype] * words_per_item, granule)
     buf = _words(min(hi - lo, step) * words_per_item, word_dtype) if into is None else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
@@ -143,13 +151,14 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 
 
 def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body,
-           into: np.ndarray | None = None) -> None:
+           into: np.ndarray | None = None, granule: int = 1) -> None:
     """Call ``body(a, b, words)`` over all ``n`` items, on several threads for large draws.
 
     Every chunk's keystream starts at that chunk's own first block, so the values do not depend
     on which thread handles which chunk, nor on how many threads there are. ``into``, when given,
     is the output's own memory as ``n * words_per_item`` words: the keystream goes there and the
-    body transforms it in place, which saves a pass over the data.
+    body transforms it in place, which saves a pass over the data. Every chunk but the last holds
+    a multiple of ``granule`` items (normal_ pairs come in groups).
     """
     wbytes = _ITEMSIZE[word_dtype] * words_per_item
     nbytes = n * wbytes
@@ -160,14 +169,15 @@ def _drive(draw: Draw, n: int, words_per_item: int, word_dtype: type, body,
         return
     workers = _threads(nbytes)
     if workers == 1:
-        for a, b, w in _chunks(draw, 0, n, words_per_item, word_dtype, into=into):
+        for a, b, w in _chunks(draw, 0, n, words_per_item, word_dtype, into=into, granule=granule):
             body(a, b, w)
         return
-    _share_chunks(draw, n, words_per_item, word_dtype, body, PARALLEL_CHUNK_BYTES, workers, into)
+    _share_chunks(draw, n, words_per_item, word_dtype, body, PARALLEL_CHUNK_BYTES, workers, into, granule)
 
 
 def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, body,
-                  chunk_bytes: int, workers: int, into: np.ndarray | None = None) -> None:
+                  chunk_bytes: int, workers: int, into: np.ndarray | None = None,
+                  granule: int = 1) -> None:
     """Run ``body`` over the chunks of a draw on the calling thread and ``workers - 1`` helpers.
 
     Every thread takes the next unclaimed chunk until none is left, each chunk with a keystream
@@ -176,7 +186,7 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
     on small VMs) finds the work done and just returns.
     """
     wbytes = _ITEMSIZE[word_dtype] * words_per_item
-    step = max(chunk_bytes // wbytes, 1)
+    step = _step(chunk_bytes, wbytes, granule)
     nchunks = -(-n // step)
     lock = threading.Lock()
     claims = [0, 0]  # next chunk to hand out, chunks handed to helpers (both under `lock`)
@@ -224,6 +234,37 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
         finished.acquire()
     if errors:
         raise errors[0]
+
+
+# normal_ pairs come in groups of NORMAL_GROUP: a group of q pairs has its q radius words, then its
+# q angle words, and gives q cosines, then q sines (docs/csprng-stream.md). Contiguous halves keep
+# the NumPy steps on unit strides; interleaved pairs cost a third of a float32 randn in strided
+# copies.
+NORMAL_GROUP = 16384
+
+
+def _pair_halves(x: np.ndarray, m: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(first halves, second halves) of the groups of ``m`` pairs laid out in ``x`` (2m items)."""
+    full, q = divmod(m, NORMAL_GROUP)
+    views = []
+    if full:
+        v = x[: 2 * full * NORMAL_GROUP].reshape(full, 2, NORMAL_GROUP)
+        views.append((v[:, 0, :], v[:, 1, :]))
+    if q:
+        t = x[2 * full * NORMAL_GROUP: 2 * m]
+        views.append((t[:q], t[q:]))
+    return views
+
+
+def _pair_runs(x: np.ndarray, m: int) -> list[np.ndarray]:
+    """``x`` (one item per pair, ``m`` items) cut like :func:`_pair_halves` cuts a group's half."""
+    full, q = divmod(m, NORMAL_GROUP)
+    views = []
+    if full:
+        views.append(x[: full * NORMAL_GROUP].reshape(full, NORMAL_GROUP))
+    if q:
+        views.append(x[full * NORMAL_GROUP: m])
+    return views
 
 
 class _Sink:
@@ -345,27 +386,30 @@ class NativeSampler:
         sink = _Sink(out)
 
         def body(plo: int, phi: int, w: np.ndarray) -> None:
-            m = phi - plo
+            m = phi - plo  # plo is a multiple of NORMAL_GROUP: the chunk holds whole groups
             lo, hi = 2 * plo, min(2 * phi, n)
             np.bitwise_and(w, mask, out=w)
-            k = _signed(w).reshape(m, 2)  # column 0: radius words, column 1: angle words
-            r, th, c = (_tmp("normal." + name, m, cd) for name in "rtc")
+            k = _signed(w)
+            r, th, c = (_tmp("normal." + name, m, cd) for name in "rtc")  # radius, angle, cos
+            dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
+            z = dst if dst is not None else _tmp("normal.z", 2 * m, cd)
             # radius from u1 = (k + 1) * 2**-bits in (0, 1]; angle from u2 = k * 2**-bits
-            np.copyto(r, k[:, 0], casting="unsafe")  # exact: k < 2**bits
+            for (wr, wt), rr, tt in zip(_pair_halves(k, m), _pair_runs(r, m), _pair_runs(th, m),
+                                        strict=True):
+                np.copyto(rr, wr, casting="unsafe")  # exact: k < 2**bits
+                np.copyto(tt, wt, casting="unsafe")
             np.add(r, cd(1.0), out=r)
             np.multiply(r, unit, out=r)
             np.log(r, out=r)
             np.multiply(r, cd(-2.0), out=r)
             np.sqrt(r, out=r)
-            np.copyto(th, k[:, 1], casting="unsafe")
             np.multiply(th, angle, out=th)
             np.cos(th, out=c)
             np.sin(th, out=th)
-            dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
-            z = dst if dst is not None else _tmp("normal.z", 2 * m, cd)
-            pairs_out = z.reshape(m, 2)  # (cos, sin) of each pair, interleaved
-            np.multiply(c, r, out=pairs_out[:, 0])
-            np.multiply(th, r, out=pairs_out[:, 1])
+            for (zc, zs), rr, cc, ss in zip(_pair_halves(z, m), _pair_runs(r, m), _pair_runs(c, m),
+                                            _pair_runs(th, m), strict=True):
+                np.multiply(cc, rr, out=zc)  # cosines in the first half of each group
+                np.multiply(ss, rr, out=zs)  # sines in the second
             if affine:
                 np.multiply(z, std_c, out=z)
                 np.add(z, mean_c, out=z)
@@ -374,7 +418,7 @@ class NativeSampler:
             if dst is None:
                 sink.write(lo, hi, z[: hi - lo])
 
-        _drive(draw, pairs, 2, word, body)
+        _drive(draw, pairs, 2, word, body, granule=NORMAL_GROUP)
 
     # ------------------------------------------------------------------ other continuous
     def _unit_open(self, out: torch.Tensor, op: str, offset: float, transform) -> None:

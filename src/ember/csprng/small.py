@@ -114,8 +114,9 @@ def normal(stream: BlockStream, out: torch.Tensor, n: int, mean: float, std: flo
     mask = (1 << bits) - 1
     unit = 2.0**-bits
     angle = float(cd(_TWO_PI * unit))
-    u = np.array([((x & mask) + 1) * unit for x in w[0::2]]
-                 + [(x & mask) * angle for x in w[1::2]], cd)
+    # one group (SMALL_ITEMS <= 2 * NORMAL_GROUP): radius words, then angle words
+    u = np.array([((x & mask) + 1) * unit for x in w[:pairs]]
+                 + [(x & mask) * angle for x in w[pairs:]], cd)
     r, th = u[:pairs], u[pairs:]
     np.log(r, out=r)
     np.multiply(r, cd(-2.0), out=r)
@@ -123,9 +124,8 @@ def normal(stream: BlockStream, out: torch.Tensor, n: int, mean: float, std: flo
     c = np.cos(th)
     np.sin(th, out=th)
     z = np.empty(2 * pairs, cd)
-    zz = z.reshape(pairs, 2)
-    np.multiply(c, r, out=zz[:, 0])
-    np.multiply(th, r, out=zz[:, 1])
+    np.multiply(c, r, out=z[:pairs])  # cosines, then sines
+    np.multiply(th, r, out=z[pairs:])
     if not (mean == 0.0 and std == 1.0):
         np.multiply(z, cd(std), out=z)
         np.add(z, cd(mean), out=z)

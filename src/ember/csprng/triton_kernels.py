@@ -3,6 +3,8 @@
 One kernel, specialised at compile time on the cipher (AES-128 with T-tables, or ChaCha20), the
 distribution and the word width, computes the counter blocks of a draw and writes the values of
 docs/csprng-stream.md straight into the output tensor; the keystream never goes to global memory.
+The exception is normal/log_normal, whose pairs take words half a group apart: the fill kernel
+writes the words, then :func:`normal_kernel` turns them into values.
 Rejected integer positions (Lemire) are appended to a small list that the host resolves.
 
 This module imports triton; import it only through :mod:`ember.csprng.cuda_backend`. The host side
@@ -32,8 +34,7 @@ INTERPRETED = bool(knobs.runtime.interpret)
 
 # op and cipher codes (the constexpr OP and CIPHER; kernels may only read constexpr globals)
 UNIFORM = tl.constexpr(0)
-NORMAL = tl.constexpr(1)
-LOG_NORMAL = tl.constexpr(2)
+# 1 and 2 were normal and log_normal, which normal_kernel computes now
 EXPONENTIAL = tl.constexpr(3)
 CAUCHY = tl.constexpr(4)
 GEOMETRIC = tl.constexpr(5)
@@ -438,10 +439,30 @@ def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
         _store(out_ptr, e, v.to(tl.int8), ok, n, VIA_F32)
 
 
-@triton.jit
-def _normal_pair(out_ptr, fp_ptr, n, e, wa, wb, ok, MBITS: tl.constexpr, F64: tl.constexpr,
-                 AFFINE: tl.constexpr, LOG: tl.constexpr, BF16: tl.constexpr):
-    """Elements e, e + 1 (Box-Muller) from words wa (radius) and wb (angle)."""
+@triton.jit(do_not_specialize=["n", "pairs"])
+def normal_kernel(out_ptr, words_ptr, fp_ptr, n, pairs, GROUP: tl.constexpr, MBITS: tl.constexpr,
+                  F64: tl.constexpr, AFFINE: tl.constexpr, LOG: tl.constexpr, BF16: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Box-Muller over the ``pairs`` pairs of an ``n``-value draw whose words are at ``words_ptr``
+    (int32 for 32-bit words, int64 for 64-bit ones, as the fill kernel's INTEGER op wrote them).
+
+    Pairs come in groups of GROUP (docs/csprng-stream.md): pair ``i`` of a group of ``q`` pairs
+    starting at word ``base`` takes words ``base + i`` (radius) and ``base + q + i`` (angle) and
+    gives elements ``base + i`` (cosine) and ``base + q + i`` (sine).
+    """
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < pairs
+    g = j // GROUP
+    i = j - g * GROUP
+    q = tl.minimum(pairs - g * GROUP, GROUP)
+    e0 = 2 * g * GROUP + i
+    e1 = e0 + q
+    if F64:
+        wa = tl.load(words_ptr + e0, mask=ok, other=0).to(tl.uint64, bitcast=True)
+        wb = tl.load(words_ptr + e1, mask=ok, other=0).to(tl.uint64, bitcast=True)
+    else:
+        wa = tl.load(words_ptr + e0, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        wb = tl.load(words_ptr + e1, mask=ok, other=0).to(tl.uint32, bitcast=True)
     u = _to_float(_mask(wa, MBITS) + 1, F64) * _param(fp_ptr, 0, F64)
     r = _sqrt(_log_t(u, F64) * -2.0, F64)
     t = _to_float(_mask(wb, MBITS), F64) * _param(fp_ptr, 1, F64)
@@ -453,8 +474,8 @@ def _normal_pair(out_ptr, fp_ptr, n, e, wa, wb, ok, MBITS: tl.constexpr, F64: tl
     if LOG:
         z0 = _exp_t(z0, F64)
         z1 = _exp_t(z1, F64)
-    _store(out_ptr, e, z0, ok, n, BF16)
-    _store(out_ptr, e + 1, z1, ok, n, BF16)
+    _store(out_ptr, e0, z0, ok, n, BF16)
+    _store(out_ptr, e1, z1, ok, n, BF16)
 
 
 @triton.jit
@@ -462,16 +483,7 @@ def _emit(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, d, ok, w0, w
           OP: tl.constexpr, WB: tl.constexpr, MBITS: tl.constexpr, F64: tl.constexpr,
           FLAG: tl.constexpr, FLAG2: tl.constexpr, VIA_F32: tl.constexpr):
     """All elements of draw unit ``d`` (16 bytes: little-endian words w0..w3)."""
-    if OP == NORMAL or OP == LOG_NORMAL:  # noqa: SIM109 (constexpr comparison in a kernel)
-        if WB == 4:
-            _normal_pair(out_ptr, fp_ptr, n, 4 * d, w0, w1, ok, MBITS, F64, FLAG,
-                         OP == LOG_NORMAL, VIA_F32)
-            _normal_pair(out_ptr, fp_ptr, n, 4 * d + 2, w2, w3, ok, MBITS, F64, FLAG,
-                         OP == LOG_NORMAL, VIA_F32)
-        else:
-            _normal_pair(out_ptr, fp_ptr, n, 2 * d, _u64(w0, w1), _u64(w2, w3), ok, MBITS, F64,
-                         FLAG, OP == LOG_NORMAL, VIA_F32)
-    elif WB == 2:
+    if WB == 2:
         e = 8 * d
         _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w0 & 0xFFFF, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
