@@ -84,3 +84,10 @@ def test_small_in_place_draw_bumps_the_autograd_version():
     before = x._version
     x.uniform_(generator=g)
     assert x._version > before
+
+
+def test_small_normal_draws_fit_in_one_group():
+    # small.normal pairs the first half of its words with the second half: one group of pairs
+    from ember.csprng.distributions import NORMAL_GROUP
+
+    assert (small.SMALL_ITEMS + 1) // 2 <= NORMAL_GROUP

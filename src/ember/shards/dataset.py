@@ -310,20 +310,23 @@ class ShardDataset(IterableDataset):
                                       world=world, num_workers=num_workers, mode=self.equalize,
                                       shuffle=self.shuffle_shards,
                                       generator=self._generator_copy())[worker]
+        if self.epoch_length is None:  # one pass over the shards, nothing to count here
+            raw = self._raw(epoch, rank, world, worker, num_workers, 0, read, quota)
+            yield from self._pipeline(raw, epoch, rank, world, worker, num_workers, 0, policy, skipping)
+            return
         pass_ = 0
-        left = self.epoch_length
+        left = self.epoch_length  # with_epoch(n): passes over the shards until n items
         while True:
             raw = self._raw(epoch, rank, world, worker, num_workers, pass_, read, quota)
             produced = 0
             for item in self._pipeline(raw, epoch, rank, world, worker, num_workers, pass_,
                                        policy, skipping):
-                if left is not None:
-                    if left == 0:
-                        return
-                    left -= 1
+                if left == 0:
+                    return
+                left -= 1
                 produced += 1
                 yield item
-            if left is None or left == 0:
+            if left == 0:
                 return
             if produced == 0:
                 raise ShardError(f"with_epoch({self.epoch_length}): reading stream rank {rank} "

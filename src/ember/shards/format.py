@@ -79,7 +79,7 @@ def group_samples(
         if name[slash] == "_" and name.startswith("__", slash) and name.endswith("__"):
             continue
         k = name[:dot]
-        if k != key or current is None:
+        if k != key:  # (key starts as None, so the first member starts a sample)
             if current is not None:
                 yield current
             current = {"__key__": k, "__url__": url}
