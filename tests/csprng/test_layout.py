@@ -99,18 +99,20 @@ def test_uniform_general_interval_float32():
     assert np.array_equal(got, np.array(want, np.float32))
 
 
+def pair64(k0, k1):
+    """The float64 Box-Muller values of one pair, in plain Python."""
+    r = math.sqrt(-2.0 * math.log(((k0 & (2**53 - 1)) + 1) * 2.0**-53))
+    t = (k1 & (2**53 - 1)) * (2 * math.pi * 2.0**-53)
+    return r * math.cos(t), r * math.sin(t)
+
+
 @pytest.mark.parametrize("n", [1, 8, 9, 2 * 16384, 2 * 16384 + 1, 4 * 16384 + 7])
 def test_normal_float64_pairs(n):
     ref, g = Reference(6), csprng.create_generator(6)
     got = torch.randn(n, generator=g, dtype=torch.float64).numpy()
     w = ref.words(2 * ((n + 1) // 2), 8)
 
-    def pair(k0, k1):
-        r = math.sqrt(-2.0 * math.log(((k0 & (2**53 - 1)) + 1) * 2.0**-53))
-        t = (k1 & (2**53 - 1)) * (2 * math.pi * 2.0**-53)
-        return r * math.cos(t), r * math.sin(t)
-
-    want = normal_values(n, w, pair)
+    want = normal_values(n, w, pair64)
     np.testing.assert_allclose(got, want, rtol=4e-16, atol=4e-16)  # libm vs NumPy: an ulp or two
     assert g.counter == ref.counter
 
@@ -123,12 +125,7 @@ def test_normal_groups_through_chunks_and_threads(monkeypatch):
     ref = Reference(8)
     w = ref.words(2 * ((n + 1) // 2), 8)
 
-    def pair(k0, k1):
-        r = math.sqrt(-2.0 * math.log(((k0 & (2**53 - 1)) + 1) * 2.0**-53))
-        t = (k1 & (2**53 - 1)) * (2 * math.pi * 2.0**-53)
-        return r * math.cos(t), r * math.sin(t)
-
-    want = normal_values(n, w, pair)
+    want = normal_values(n, w, pair64)
     monkeypatch.setattr(distributions, "CHUNK_BYTES", 4096)
     got = torch.randn(n, generator=csprng.create_generator(8), dtype=torch.float64).numpy()
     np.testing.assert_allclose(got, want, rtol=4e-16, atol=4e-16)
