@@ -217,6 +217,12 @@ def _below(b: float, dtype: torch.dtype) -> float:
     return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype)))
 
 
+def _compile_options(interpret: bool) -> dict[str, Any]:
+    """Launch options: compiled kernels keep float multiplies and adds apart (no FMA), as the
+    documented arithmetic requires; the interpreter takes no compile options."""
+    return {} if interpret else {"enable_fp_fusion": False}
+
+
 def _i64(v: int) -> int:
     v %= 1 << 64
     return v - (1 << 64) if v >= 1 << 63 else v
@@ -267,7 +273,7 @@ def launch(
         lanes, cid, block = -(-(skip + nunits) // 4), k.CHACHA20, 128
     c = [(first >> (32 * j)) & 0xFFFFFFFF for j in range(4)]
     grid = (-(-lanes // block),)
-    extra: dict[str, Any] = {} if interpret else {"enable_fp_fusion": False}
+    extra = _compile_options(interpret)
     k.fill_kernel[grid](
         out,
         table,
@@ -427,7 +433,7 @@ def _normal_family(log: bool):
             device=f.out.device,
         )
         block = 256
-        extra: dict[str, Any] = {} if f.k.INTERPRETED else {"enable_fp_fusion": False}
+        extra = _compile_options(f.k.INTERPRETED)
         f.k.normal_kernel[(-(-pairs // block),)](
             f.out,
             words,
@@ -633,7 +639,7 @@ def aes_crypt_(
     table = _crypt_table(key, decrypt, src.device)
     code = {"ecb": k.ECB_DECRYPT if decrypt else k.ECB_ENCRYPT, "ctr": k.CTR}[mode]
     block = 256
-    extra: dict[str, Any] = {} if interpret else {"enable_fp_fusion": False}
+    extra = _compile_options(interpret)
     k.crypt_kernel[(-(-nblocks // block),)](
         src,
         dst,

@@ -393,9 +393,9 @@ class NativeSampler:
             r, th, c = (_tmp("normal." + name, m, cd) for name in "rtc")  # radius, angle, cos
             dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
             z = dst if dst is not None else _tmp("normal.z", 2 * m, cd)
+            r_runs, th_runs = _pair_runs(r, m), _pair_runs(th, m)
             # radius from u1 = (k + 1) * 2**-bits in (0, 1]; angle from u2 = k * 2**-bits
-            for (wr, wt), rr, tt in zip(_pair_halves(k, m), _pair_runs(r, m), _pair_runs(th, m),
-                                        strict=True):
+            for (wr, wt), rr, tt in zip(_pair_halves(k, m), r_runs, th_runs, strict=True):
                 np.copyto(rr, wr, casting="unsafe")  # exact: k < 2**bits
                 np.copyto(tt, wt, casting="unsafe")
             np.add(r, cd(1.0), out=r)
@@ -406,8 +406,8 @@ class NativeSampler:
             np.multiply(th, angle, out=th)
             np.cos(th, out=c)
             np.sin(th, out=th)
-            for (zc, zs), rr, cc, ss in zip(_pair_halves(z, m), _pair_runs(r, m), _pair_runs(c, m),
-                                            _pair_runs(th, m), strict=True):
+            for (zc, zs), rr, cc, ss in zip(_pair_halves(z, m), r_runs, _pair_runs(c, m), th_runs,
+                                            strict=True):
                 np.multiply(cc, rr, out=zc)  # cosines in the first half of each group
                 np.multiply(ss, rr, out=zs)  # sines in the second
             if affine:
