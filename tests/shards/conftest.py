@@ -60,3 +60,28 @@ def stop_and_resume():
         return head, [sample_key(s) for s in resumed], resumed, state
 
     return run
+
+
+def use_implementation(monkeypatch, which: str) -> None:
+    """Read with the compiled per-member steps (``_speedups``) or with the pure-Python ones."""
+    from ember.shards import format as fmt
+    from ember.shards import tar
+
+    if which == "python":
+        monkeypatch.setattr(tar, "_scan", None)
+        monkeypatch.setattr(fmt, "_compiled_group_samples", None)
+    elif tar._scan is None or fmt._compiled_group_samples is None:
+        pytest.skip("ember.shards._speedups is not built")
+
+
+@pytest.fixture
+def switch_implementation():
+    """``switch_implementation(monkeypatch, "compiled" | "python")``, for tests that compare both."""
+    return use_implementation
+
+
+@pytest.fixture(params=["compiled", "python"])
+def implementation(request, monkeypatch):
+    """Runs a test once with the compiled tar scanner and grouper and once with pure Python."""
+    use_implementation(monkeypatch, request.param)
+    return request.param

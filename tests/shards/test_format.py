@@ -6,6 +6,9 @@ import pytest
 
 from ember.shards import FormatError, expand_urls, group_samples, split_name
 
+# the grouping tests run with the compiled grouper and with the pure-Python one
+grouping = pytest.mark.usefixtures("implementation")
+
 
 @pytest.mark.parametrize(
     "name, expected",
@@ -28,6 +31,7 @@ def _members(*names):
     return [(n, n.encode(), i * 1024) for i, n in enumerate(names)]
 
 
+@grouping
 def test_consecutive_members_form_one_sample_and_repeated_key_starts_a_new_one():
     members = _members("a.jpg", "a.cls", "b.jpg", "a.txt", "__meta__", "README")
     out = list(group_samples(members, "u.tar"))
@@ -36,17 +40,20 @@ def test_consecutive_members_form_one_sample_and_repeated_key_starts_a_new_one()
     assert set(out[2]) == {"__key__", "__url__", "txt"}
 
 
+@grouping
 def test_duplicate_extension_in_one_sample_is_an_error_with_offset():
     with pytest.raises(FormatError, match=r"duplicate file name 'a\.JPG'") as info:
         list(group_samples(_members("a.jpg", "a.JPG"), "u.tar"))
     assert info.value.url == "u.tar" and info.value.offset == 1024
 
 
+@grouping
 def test_reserved_extension_is_rejected():
     with pytest.raises(FormatError, match="reserved"):
         list(group_samples(_members("a.jpg", "a.__key__"), "u.tar"))
 
 
+@grouping
 def test_incomplete_sample_is_not_yielded_when_members_fail():
     def members():
         yield "a.jpg", b"1", 0

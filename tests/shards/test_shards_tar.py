@@ -18,6 +18,9 @@ from ember.shards import ShardDataset, ShardError, TruncatedShardError, iter_sha
 from ember.shards.format import group_samples
 from ember.shards.tar import iter_members, memory_source, open_tar_source, scan_members
 
+# every test here runs with the compiled scanner and grouper and with the pure-Python ones
+pytestmark = pytest.mark.usefixtures("implementation")
+
 LONG_DIR = "deep/" + "d" * 60 + "/" + "e" * 60
 
 

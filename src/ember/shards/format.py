@@ -10,6 +10,11 @@ from collections.abc import Iterable, Iterator
 
 from ember.shards.errors import FormatError
 
+try:  # group_samples compiled (setup.py); None where it was not built
+    from ember.shards._speedups import group_samples as _compiled_group_samples
+except ImportError:  # pragma: no cover - depends on the build
+    _compiled_group_samples = None
+
 __all__ = ["split_name", "member_name", "group_samples", "is_metadata", "check_sample_names"]
 
 META_KEYS = ("__key__", "__url__")
@@ -68,6 +73,13 @@ def group_samples(
     A sample is yielded only once the next key starts or the member stream ends normally, so an
     exception from ``members`` (a truncated shard) never lets an incomplete sample through.
     """
+    if _compiled_group_samples is not None:
+        return _compiled_group_samples(members, url, FormatError)
+    return _group_samples(members, url)
+
+
+def _group_samples(members: Iterable[tuple[str, bytes, int]], url: str) -> Iterator[dict[str, object]]:
+    """group_samples in Python: the reference for the compiled one in _speedups.c."""
     current: dict[str, object] | None = None
     key = None
     lowered: dict[str, str] = {}  # extension -> lower case: the same few repeat in every sample

@@ -27,6 +27,11 @@ from typing import BinaryIO
 
 from ember.shards.errors import ShardError, TruncatedShardError
 
+try:  # the common case of header parsing, compiled (setup.py); None where it was not built
+    from ember.shards._speedups import scan as _scan
+except ImportError:  # pragma: no cover - depends on the build
+    _scan = None
+
 __all__ = ["iter_members", "scan_members", "open_tar_source", "memory_source", "BLOCK"]
 
 BLOCK = 512
@@ -34,6 +39,10 @@ _ZERO = bytes(BLOCK)
 _CHUNK = 1 << 20
 _GZ_INPUT = 1 << 18  # compressed bytes per read, small enough to keep zlib's leftovers cheap
 _CACHE = 4096  # entries per field-value cache
+# members per call of the compiled scanner, and its data bytes per call: what it parses ahead of
+# the consumer
+_SCAN_COUNT = 64
+_SCAN_BYTES = 64 << 10
 # name, size, chksum and typeflag: the only fields a reader of regular files needs
 _HEADER = struct.Struct("100s24x12s12x8sB")
 _USTAR = b"ustar\x00"
@@ -434,6 +443,7 @@ def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
     sizes: dict[bytes, int] = {}
     sums: dict[bytes, int] = {}
     ext = _Extended()  # long-name and PAX records that apply to the next member
+    scan = _scan
     first = True
     while True:
         if end - pos < BLOCK:
@@ -442,6 +452,14 @@ def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
             if end - pos < BLOCK:
                 _check_end(src, pos, ext, whole, first)
                 return
+        if scan is not None and not ext.pending:
+            # the plain members from here on, compiled; it stops before any header it leaves
+            # to the code below
+            parsed, pos = scan(buf, pos, end, base, with_data, _SCAN_COUNT, _SCAN_BYTES)
+            if parsed:
+                first = False
+                yield from parsed
+                continue
         first = False
         h = buf[pos : pos + BLOCK]
         name, size_f, chk_f, kind = unpack(h)
