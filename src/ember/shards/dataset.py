@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy.random  # noqa: F401  (loaded before DataLoader forks workers; see ShardLoader.__iter__)
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -21,12 +22,14 @@ from ember.shards.errors import ShardError
 from ember.shards.format import group_samples
 from ember.shards.index import index_mismatch, index_path, read_index
 from ember.shards.tar import iter_members, open_tar_source
+from ember.shards.transfer import TransferArena
 from ember.shards.urls import UrlOptions, as_list, local_path, open_url
 
 __all__ = ["ShardDataset", "ShardLoader", "iter_shard", "rank_and_world"]
 
 STATE_VERSION = 1
 DEFAULT_TRANSFER_GROUP = 128  # items per worker-to-main-process transfer in ShardLoader
+DEFAULT_TRANSFER_MEMORY = 16 << 20  # bytes per shared-memory transfer slot in ShardLoader
 
 
 def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -157,6 +160,7 @@ class ShardDataset(IterableDataset):
         self._consumed = 0
         self._tagged = False  # set by ShardLoader: yield (stream, error counts, items) groups
         self._group = 1
+        self._arena: TransferArena | None = None  # set by ShardLoader: shared memory for groups
 
     # ---- fluent pipeline -------------------------------------------------------------------
 
@@ -422,9 +426,13 @@ class ShardDataset(IterableDataset):
         ``_group`` items. Groups end at multiples of ``_group`` stream positions, counted from the
         epoch's start (a resumed stream's first group is short), so a resumed loader interleaves
         the streams exactly as the uninterrupted one. Items already grouped when an error is
-        raised are sent before it."""
+        raised are sent before it. With a transfer arena, their large bytes values go through
+        shared memory."""
         size = self._group
         room = size - skip % size
+        arena = self._arena
+        pack = (lambda item: arena.pack(worker, item)) if arena is not None else (lambda item: item)
+        seal = (lambda g: arena.seal(worker, g)) if arena is not None else (lambda g: g)
         group: list = []
         errors: list[int] = []
         try:
@@ -432,18 +440,18 @@ class ShardDataset(IterableDataset):
                 if seeking and isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
                 self._consumed += 1
-                group.append(item)
+                group.append(pack(item))
                 errors.append(policy.count)
                 if len(group) == room:
-                    yield worker, errors, group
+                    yield worker, errors, seal(group)
                     group, errors, room = [], [], size
         except Exception:
             if group:
-                yield worker, errors, group
+                yield worker, errors, seal(group)
             raise
         self.error_count = policy.count
         if group:
-            yield worker, errors, group
+            yield worker, errors, seal(group)
 
 
 _END = object()
@@ -676,10 +684,17 @@ class ShardLoader:
     DataLoader takes groups from the workers in turn, so the items of the streams interleave
     group by group. ``state_dict()`` counts the items handed out, not the items received, and
     records the group size, so resuming continues that same order exactly.
+
+    Where workers are forked, the large ``bytes`` values of a group (4 KiB and up, in dict,
+    tuple and list items) go through shared memory instead of the workers' result pipes:
+    ``transfer_memory`` bytes per slot, ``prefetch_factor + 1`` slots per worker, touched only as
+    far as groups fill them (see :mod:`ember.shards.transfer`). ``transfer_memory=0`` sends
+    everything through DataLoader's result queue.
     """
 
     def __init__(self, dataset: ShardDataset, *, num_workers: int = 0,
-                 transfer_group: int | None = None, **kwargs: Any):
+                 transfer_group: int | None = None,
+                 transfer_memory: int = DEFAULT_TRANSFER_MEMORY, **kwargs: Any):
         for bad in ("batch_size", "sampler", "batch_sampler", "shuffle"):
             if kwargs.get(bad) not in (None, False):
                 raise ValueError(f"ShardLoader does not take {bad}=; use dataset.batched(n) and "
@@ -689,6 +704,9 @@ class ShardLoader:
             raise ValueError("ShardLoader needs fresh workers each epoch: persistent_workers=False")
         if transfer_group is not None and int(transfer_group) < 1:
             raise ValueError(f"expected transfer_group >= 1, got {transfer_group!r}")
+        if int(transfer_memory) < 0:
+            raise ValueError(f"expected transfer_memory >= 0 bytes, got {transfer_memory!r}")
+        self.transfer_memory = int(transfer_memory)
         self.dataset = dataset
         self.num_workers = int(num_workers)
         if self.num_workers == 0:
@@ -732,6 +750,17 @@ class ShardLoader:
         self.epoch = int(state["epoch"])
         self._resume = dict(state)
 
+    def _arena(self) -> TransferArena | None:
+        """Shared memory for this epoch's groups, where workers are forked and it is wanted."""
+        if not self.num_workers or not self.transfer_memory or self.transfer_group == 1:
+            return None
+        context = self.kwargs.get("multiprocessing_context")
+        method = context.get_start_method() if hasattr(context, "get_start_method") else context
+        if not TransferArena.supported(method):
+            return None
+        slots = (self.kwargs.get("prefetch_factor") or 2) + 1
+        return TransferArena(self._streams, slots, self.transfer_memory)
+
     def __len__(self) -> int:
         raise TypeError("ShardLoader has no length; use dataset.with_epoch(n) for fixed epochs")
 
@@ -755,18 +784,27 @@ class ShardLoader:
         ds._group = group
         self._consumed, self._next, self._group = consumed, first, group
         self._errors = [0] * self._streams
+        ds._arena = arena = self._arena()
+        # (numpy.random is imported with this module: DataLoader's worker loop seeds it, and
+        # a forked worker importing it itself costs every epoch's workers that import and has
+        # failed here inside importlib's module locks, KeyError in _lock_unlock_module)
         loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
         n = self._streams
-        for stream, errors, items in loader:
-            last = len(items) - 1
-            after = (stream + 1) % n
-            for i, item in enumerate(items):
-                # count what the loop is handed, not what arrived: until the group's last item
-                # is handed out, this stream still delivers next
-                consumed[stream] += 1
-                self._errors[stream] = errors[i]
-                self._next = stream if i < last else after
-                yield item
+        try:
+            for stream, errors, group in loader:
+                items = arena.unpack(stream, group) if arena is not None else group
+                last = len(group) - 1
+                after = (stream + 1) % n
+                for i, item in enumerate(items):
+                    # count what the loop is handed, not what arrived: until the group's last
+                    # item is handed out, this stream still delivers next
+                    consumed[stream] += 1
+                    self._errors[stream] = errors[i]
+                    self._next = stream if i < last else after
+                    yield item
+        finally:
+            if arena is not None:
+                arena.close()  # the workers' mappings go with them
         self.epoch += 1
         self._consumed, self._next = [0] * n, 0
         self._group = self.transfer_group
