@@ -14,7 +14,7 @@ import pytest
 
 from ember.shards import format as fmt
 from ember.shards import tar
-from ember.shards.errors import ShardError
+from ember.shards.errors import FormatError, ShardError
 from ember.shards.tar import iter_members, memory_source, open_tar_source, scan_members
 
 compiled = pytest.mark.skipif(tar._scan is None, reason="ember.shards._speedups is not built")
@@ -191,6 +191,15 @@ def test_grouping_alike_on_random_member_sequences(monkeypatch, switch_implement
             switch_implementation(m, which)
             results[which] = _outcome(lambda: fmt.group_samples(members(), "u.tar"))
     assert results["compiled"] == results["python"]
+
+
+@pytest.mark.usefixtures("implementation")
+def test_grouping_is_finished_after_an_error():
+    members = iter([("a.jpg", b"1", 0), ("a.JPG", b"2", 512), ("b.jpg", b"3", 1024)])
+    samples = fmt.group_samples(members, "u.tar")
+    with pytest.raises(FormatError, match="duplicate"):
+        next(samples)
+    assert next(samples, None) is None  # nothing after the error, as from a generator
 
 
 @compiled

@@ -345,31 +345,40 @@ static int add_member(Grouper *g, PyObject *item, PyObject **done)
     return r;
 }
 
+/* After an error the iterator is finished, as a generator is once it has raised. */
+static PyObject *grouper_fail(Grouper *g)
+{
+    Py_CLEAR(g->members);
+    Py_CLEAR(g->current);
+    Py_CLEAR(g->pending);
+    return NULL;
+}
+
 static PyObject *grouper_next(Grouper *g)
 {
     PyObject *done = NULL;
     if (g->pending != NULL) {
         PyObject *item = g->pending;
+        int r;
         g->pending = NULL;
-        if (add_member(g, item, &done) < 0) {
-            Py_DECREF(item);
-            return NULL;
-        }
+        r = add_member(g, item, &done);
         Py_DECREF(item);
+        if (r < 0)
+            return grouper_fail(g);
     }
     while (g->members != NULL) {
         PyObject *item = PyIter_Next(g->members);
+        int r;
         if (item == NULL) {
             if (PyErr_Occurred())
-                return NULL; /* the sample being filled may be incomplete: never returned */
+                return grouper_fail(g); /* the sample being filled may be incomplete */
             Py_CLEAR(g->members);
             break;
         }
-        if (add_member(g, item, &done) < 0) {
-            Py_DECREF(item);
-            return NULL;
-        }
+        r = add_member(g, item, &done);
         Py_DECREF(item);
+        if (r < 0)
+            return grouper_fail(g);
         if (done != NULL)
             return done;
     }
