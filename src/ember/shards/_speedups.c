@@ -182,7 +182,7 @@ typedef struct {
     PyObject *lowered;  /* extension -> lower-case extension */
 } Grouper;
 
-static PyObject *str_key, *str_url, *str_lower;
+static PyObject *str_key, *str_url, *str_lower, *str_dunder;
 
 static void grouper_dealloc(Grouper *g)
 {
@@ -279,13 +279,8 @@ static int add_member(Grouper *g, PyObject *item, PyObject **done)
     if (dot < 0)
         return 0; /* no extension: not a sample member */
     if (PyUnicode_READ_CHAR(name, slash) == '_') {
-        PyObject *dunder = PyUnicode_FromString("__");
-        Py_ssize_t head, tail;
-        if (dunder == NULL)
-            return -1;
-        head = PyUnicode_Tailmatch(name, dunder, slash, len, -1);
-        tail = head == 1 ? PyUnicode_Tailmatch(name, dunder, 0, len, 1) : 0;
-        Py_DECREF(dunder);
+        Py_ssize_t head = PyUnicode_Tailmatch(name, str_dunder, slash, len, -1);
+        Py_ssize_t tail = head == 1 ? PyUnicode_Tailmatch(name, str_dunder, 0, len, 1) : 0;
         if (head < 0 || tail < 0)
             return -1;
         if (head && tail)
@@ -420,7 +415,8 @@ PyMODINIT_FUNC PyInit__speedups(void)
     str_key = PyUnicode_InternFromString("__key__");
     str_url = PyUnicode_InternFromString("__url__");
     str_lower = PyUnicode_InternFromString("lower");
-    if (str_key == NULL || str_url == NULL || str_lower == NULL)
+    str_dunder = PyUnicode_InternFromString("__");
+    if (str_key == NULL || str_url == NULL || str_lower == NULL || str_dunder == NULL)
         return NULL;
     if (PyType_Ready(&GrouperType) < 0)
         return NULL;
