@@ -12,7 +12,10 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy.random  # noqa: F401  (loaded before DataLoader forks workers; see ShardLoader.__iter__)
+# DataLoader's worker loop seeds numpy.random: loaded here, forked workers inherit it instead of
+# each importing it every epoch, an import that has failed in a forked worker inside importlib's
+# module locks (KeyError in _lock_unlock_module)
+import numpy.random  # noqa: F401
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -785,9 +788,6 @@ class ShardLoader:
         self._consumed, self._next, self._group = consumed, first, group
         self._errors = [0] * self._streams
         ds._arena = arena = self._arena()
-        # (numpy.random is imported with this module: DataLoader's worker loop seeds it, and
-        # a forked worker importing it itself costs every epoch's workers that import and has
-        # failed here inside importlib's module locks, KeyError in _lock_unlock_module)
         loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
         n = self._streams
         try:

@@ -92,18 +92,19 @@ class TransferArena:
         group = self._open[stream]
         if group is None:
             group = self._open[stream] = self._take(stream)
+        if group.slot < 0:
+            return item  # the whole group goes through the pipe
         kind = type(item)
         fields = item.items() if kind is dict else enumerate(item) if kind in _SEQUENCES else ()
         refs = []
-        if group.slot >= 0:
-            mm = self._maps[stream]
-            base = group.slot * self.slot_bytes
-            for k, v in fields:
-                if type(v) is bytes and MIN_SHARED_BYTES <= len(v) <= self.slot_bytes - group.used:
-                    at = base + group.used
-                    mm[at : at + len(v)] = v
-                    refs.append((k, group.used, len(v)))
-                    group.used += len(v)
+        mm = self._maps[stream]
+        base = group.slot * self.slot_bytes
+        for k, v in fields:
+            if type(v) is bytes and MIN_SHARED_BYTES <= len(v) <= self.slot_bytes - group.used:
+                at = base + group.used
+                mm[at : at + len(v)] = v
+                refs.append((k, group.used, len(v)))
+                group.used += len(v)
         group.refs.append(refs)
         if not refs:
             return item
