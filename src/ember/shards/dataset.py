@@ -7,7 +7,11 @@ several workers.
 from __future__ import annotations
 
 import copy
+import itertools
+import multiprocessing
+import multiprocessing.context
 import os
+import random
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -24,6 +28,7 @@ from ember.shards.decode import Decoder
 from ember.shards.errors import ShardError
 from ember.shards.format import group_samples
 from ember.shards.index import index_mismatch, index_path, read_index
+from ember.shards.rebatch import LoaderStages
 from ember.shards.tar import iter_members, open_tar_source
 from ember.shards.transfer import TransferArena
 from ember.shards.urls import UrlOptions, as_list, local_path, open_url
@@ -115,6 +120,76 @@ class _ErrorPolicy:
             self.on_error(exc)
 
 
+_MAX_WORKERS = 4096  # reading workers per process that the shared epoch cell can tell apart
+_AUTO = "auto"
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+class _EpochCell:
+    """The epoch counter of a ShardDataset, in memory shared with its DataLoader workers (made
+    before they start; inherited by fork and by spawn), so that ``set_epoch`` reaches persistent
+    workers and every new iteration, in any process, uses the next epoch.
+
+    A *generation* is one DataLoader iteration (its workers share a base seed, ``info.seed -
+    info.id``) or one direct iteration. The first reading worker of a new generation moves the
+    epoch on (to the epoch set by set_epoch, if any, else the previous one plus one); the other
+    workers of that generation join it. A generation is recognised as new when its key differs
+    from the last one or when the worker already joined the last one (persistent workers keep
+    their base seed)."""
+
+    def __init__(self, pending: int = -1, current: int = -1):
+        self._lock = multiprocessing.Lock()
+        self._cells = multiprocessing.RawArray("q", 3 + _MAX_WORKERS // 64)
+        self._cells[0], self._cells[1], self._cells[2] = pending, current, -1
+
+    def snapshot(self) -> tuple[int, int]:
+        return self._cells[0], self._cells[1]
+
+    def set_next(self, epoch: int) -> None:
+        with self._lock:
+            self._cells[0] = epoch
+
+    def next_epoch(self) -> int:
+        pending, current = self.snapshot()
+        return pending if pending >= 0 else current + 1
+
+    def begin(self, key: int, worker: int) -> int:
+        """The epoch of reading worker ``worker`` in generation ``key`` (starting it if new)."""
+        if not 0 <= worker < _MAX_WORKERS:
+            raise ValueError(f"ShardDataset supports up to {_MAX_WORKERS} DataLoader workers")
+        c = self._cells
+        word, bit = 3 + worker // 64, 1 << (worker % 64)
+        if bit >= 1 << 63:
+            bit -= 1 << 64  # the sign bit of a signed 64-bit cell
+        with self._lock:
+            if c[2] != key or c[word] & bit:
+                c[1] = c[0] if c[0] >= 0 else c[1] + 1
+                c[0] = -1
+                c[2] = key
+                for i in range(3, len(c)):
+                    c[i] = 0
+            c[word] |= bit
+            return c[1]
+
+
+def _split_with(splitter: Callable, urls: list[str], what: str) -> list[str]:
+    """Apply a webdataset-style splitter (an iterable of ``{"url": ...}`` dicts in, the selected
+    ones out; plain URL strings out are accepted too) to a list of URLs."""
+    out = []
+    for item in splitter(iter([{"url": u} for u in urls])):
+        url = item["url"] if isinstance(item, dict) else item
+        if not isinstance(url, str):
+            raise TypeError(f"{what} must yield URL strings or dicts with a 'url', got {item!r}")
+        out.append(url)
+    return out
+
+
 class ShardDataset(IterableDataset):
     """Samples from a list of WebDataset tar shards, split over ranks and DataLoader workers.
 
@@ -130,6 +205,14 @@ class ShardDataset(IterableDataset):
     counts, taken from ``shard_sizes``, else from index files, else by scanning the shards.
     ``generator`` (optional) is the torch.Generator type to draw with, e.g. an ember.csprng
     generator; it is copied and re-seeded from ``seed`` for every draw stream.
+
+    Epochs: every new iteration (direct, or one DataLoader epoch, with or without persistent
+    workers) uses the epoch after the previous one, starting at 0; ``set_epoch(e)`` makes the next
+    one use ``e``. ``resampled=True`` draws each stream's shards with replacement, endlessly (cut
+    epochs with ``with_epoch``). ``nodesplitter``/``workersplitter``: ``"auto"`` deals the
+    epoch's shard order over ``world x workers`` streams; ``None`` does not split over ranks
+    (a URL list already split per rank) or workers; a callable is a webdataset-style splitter.
+    ``cache_dir`` keeps a local copy of every remote shard read (at most ``cache_size`` bytes).
     """
 
     def __init__(self, urls: str | Sequence, *, shuffle_shards: bool = True, seed: int = 0,
@@ -137,9 +220,25 @@ class ShardDataset(IterableDataset):
                  world_size: int | None = None, on_error: str | Callable = "raise",
                  equalize: str | None = None, shard_sizes: Sequence[int] | None = None,
                  timeout: float = 60.0, retries: int = 5, allow_pipe: bool = False,
-                 s3_endpoint: str | None = None):
+                 s3_endpoint: str | None = None, resampled: bool = False,
+                 nodesplitter: str | Callable | None = _AUTO,
+                 workersplitter: str | Callable | None = _AUTO,
+                 cache_dir: str | os.PathLike | None = None, cache_size: int | None = None):
         super().__init__()
         self.urls = as_list(urls)
+        for name, fn in (("nodesplitter", nodesplitter), ("workersplitter", workersplitter)):
+            if fn is not None and fn != _AUTO and not callable(fn):
+                raise ValueError(f"expected {name}='auto', None or a callable, got {fn!r}")
+        self.nodesplitter, self.workersplitter = nodesplitter, workersplitter
+        self.resampled = bool(resampled)
+        if self.resampled and equalize is not None:
+            raise ValueError("equalize= does not apply to resampled=True (every stream is endless;"
+                             " use with_epoch(n) to give every stream n items per epoch)")
+        custom = nodesplitter != _AUTO or workersplitter != _AUTO
+        if custom and equalize is not None:
+            raise ValueError("equalize= needs ember's own splitting (nodesplitter='auto', "
+                             "workersplitter='auto'): with other splitters a rank cannot know "
+                             "what the other ranks read")
         self.shuffle_shards = shuffle_shards
         self.seed = int(seed)
         self.generator = generator
@@ -153,10 +252,19 @@ class ShardDataset(IterableDataset):
             raise ValueError(f"shard_sizes has {len(shard_sizes)} entries for {len(self.urls)} "
                              "shards")
         self.shard_sizes = list(shard_sizes) if shard_sizes is not None else None
+        if cache_size is not None and cache_dir is None:
+            raise ValueError("cache_size= needs cache_dir=")
         self.options = UrlOptions(timeout=timeout, retries=retries, allow_pipe=allow_pipe,
-                                  s3_endpoint=s3_endpoint)
+                                  s3_endpoint=s3_endpoint,
+                                  cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
+                                  cache_size=cache_size)
         self.stages: list[tuple[str, tuple]] = []
-        self.epoch = 0
+        self._cell = _EpochCell()
+        self._running: int | None = None  # epoch of the direct iteration in progress
+        self._fixed_epoch: int | None = None  # set by ShardLoader for its copies
+        self._live: tuple[int, Iterator] | None = None  # with_epoch: (position, stream) kept
+        self.length: int | None = None
+        self._warned_streams = False
         self.epoch_length: int | None = None
         self.error_count = 0
         self._resume: dict | None = None
@@ -166,6 +274,39 @@ class ShardDataset(IterableDataset):
         self._arena: TransferArena | None = None  # set by ShardLoader: shared memory for groups
 
     # ---- fluent pipeline -------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_live"] = None
+        if multiprocessing.context.get_spawning_popen() is None:
+            # not a worker being started: a copy gets its own counter, starting where this is
+            state["_cell"] = self._cell.snapshot()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state["_cell"], tuple):
+            state["_cell"] = _EpochCell(*state["_cell"])
+        self.__dict__.update(state)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration uses."""
+        return self._cell.next_epoch()
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("this ShardDataset has no length: declare it with with_length(n) "
+                            "(the number of items one epoch yields on this rank)")
+        return self.length
+
+    def with_length(self, n: int) -> ShardDataset:
+        """Declare that an epoch yields ``n`` items on this rank: ``len()`` returns it (as
+        webdataset's with_length, it is not enforced; ``with_epoch`` is)."""
+        if int(n) < 0:
+            raise ValueError(f"expected a length >= 0, got {n!r}")
+        out = copy.copy(self)
+        out.length = int(n)
+        return out
 
     def _with(self, kind: str, *payload) -> ShardDataset:
         out = copy.copy(self)
@@ -210,8 +351,14 @@ class ShardDataset(IterableDataset):
         return self._with("batched", int(batchsize), collation_fn, partial)
 
     def with_epoch(self, n: int) -> ShardDataset:
-        """Make every epoch yield exactly ``n`` items per reading stream (rank x worker): the
-        stream is cut after ``n`` items or restarted (a new shuffled pass) until it has ``n``."""
+        """Make every epoch yield exactly ``n`` items per reading stream (rank x worker).
+
+        Each stream is the endless succession of its ordinary passes (pass ``q`` ordered and
+        shuffled as epoch ``q`` would be); epoch ``e`` is items ``[e*n, (e+1)*n)`` of it, so each
+        epoch continues where the previous one stopped. With ``resampled=True``, epoch ``e`` is
+        the first ``n`` items of that epoch's own draws."""
+        if int(n) < 1:
+            raise ValueError(f"expected with_epoch(n) with n >= 1, got {n!r}")
         out = copy.copy(self)
         out.epoch_length = int(n)
         return out
@@ -219,13 +366,20 @@ class ShardDataset(IterableDataset):
     # ---- epochs and state ------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose shard order and shuffle are used by the next iteration."""
-        self.epoch = int(epoch)
+        """Select the epoch whose shard order and shuffle are used by the next iteration (also
+        by DataLoader workers, persistent ones included)."""
+        if int(epoch) < 0:
+            raise ValueError(f"expected an epoch >= 0, got {epoch!r}")
+        self._cell.set_next(int(epoch))
 
     def state_dict(self) -> dict:
         """The position of direct (main-process) iteration: load it to continue exactly there."""
-        return {"version": STATE_VERSION, "epoch": self.epoch, "seed": self.seed,
-                "num_workers": 1, "consumed": [self._consumed], "next": 0,
+        if self._running is not None:
+            epoch, consumed = self._running, self._consumed
+        else:
+            epoch, consumed = self.epoch, 0
+        return {"version": STATE_VERSION, "epoch": epoch, "seed": self.seed,
+                "num_workers": 1, "consumed": [consumed], "next": 0,
                 "num_shards": len(self.urls)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -235,8 +389,9 @@ class ShardDataset(IterableDataset):
         if state["seed"] != self.seed or state["num_shards"] != len(self.urls):
             raise ValueError(f"state is for seed={state['seed']} over {state['num_shards']} "
                              f"shards, this dataset has seed={self.seed} over {len(self.urls)}")
-        self.epoch = int(state["epoch"])
-        self._resume = {"epoch": self.epoch, "consumed": list(state["consumed"]),
+        self.set_epoch(int(state["epoch"]))
+        self._running = None
+        self._resume = {"epoch": int(state["epoch"]), "consumed": list(state["consumed"]),
                         "next": int(state["next"]), "num_workers": int(state["num_workers"])}
         self._consumed = 0
 
@@ -263,24 +418,60 @@ class ShardDataset(IterableDataset):
             except ShardError as exc:
                 policy(exc)
 
+    def _draws(self, epoch: int, rank: int, world: int, worker: int,
+               num_workers: int) -> Iterator[str]:
+        """resampled=True: the stream's endless shard draws, with replacement, uniform over the
+        shard list, from (seed, epoch, rank, world, worker, num_workers)."""
+        g = self._generator(plan.derive_seed(self.seed, "resample", epoch, rank, world, worker,
+                                             num_workers))
+        n = len(self.urls)
+        while True:
+            for i in torch.randint(n, (256,), generator=g).tolist():
+                yield self.urls[i]
+
+    def _stream_urls(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
+                     borrow: bool) -> list[str]:
+        """The shards one stream reads in one ordinary pass; ``borrow``: a stream left without
+        shards reads one chosen from its position instead (so that it has items to give)."""
+        g = self._generator_copy()
+        if self.nodesplitter == _AUTO and self.workersplitter == _AUTO:
+            idx = plan.worker_shards(len(self.urls), seed=self.seed, epoch=epoch, rank=rank,
+                                     world=world, worker=worker, num_workers=num_workers,
+                                     shuffle=self.shuffle_shards, generator=g)
+            urls = [self.urls[i] for i in idx]
+        else:
+            order = plan.shard_order(len(self.urls), seed=self.seed, epoch=epoch,
+                                     shuffle=self.shuffle_shards, generator=g)
+            urls = [self.urls[i] for i in order]
+            if self.nodesplitter == _AUTO:
+                urls = urls[rank::world]
+            elif self.nodesplitter is not None:
+                urls = _split_with(self.nodesplitter, urls, "nodesplitter")
+            if self.workersplitter == _AUTO:
+                urls = urls[worker::num_workers]
+            elif self.workersplitter is not None:
+                urls = _split_with(self.workersplitter, urls, "workersplitter")
+        if not urls and borrow:
+            order = plan.shard_order(len(self.urls), seed=self.seed, epoch=epoch,
+                                     shuffle=self.shuffle_shards, generator=self._generator_copy())
+            urls = [self.urls[order[plan.stream_index(rank, world, worker, num_workers)
+                                    % len(order)]]]
+        return urls
+
     def _raw(self, epoch: int, rank: int, world: int, worker: int, num_workers: int, pass_: int,
              read: Callable[[list[str]], Iterator], quota: int | None) -> Iterator:
-        seed = self.seed if pass_ == 0 else plan.derive_seed(self.seed, "pass", pass_)
-        g = self._generator_copy()
-        idx = plan.worker_shards(len(self.urls), seed=seed, epoch=epoch, rank=rank, world=world,
-                                 worker=worker, num_workers=num_workers,
-                                 shuffle=self.shuffle_shards, generator=g)
-        if quota is None:
-            yield from read([self.urls[i] for i in idx])
+        if self.resampled:
+            yield from read(self._draws(epoch, rank, world, worker, num_workers))
             return
-        if not idx:  # an empty stream repeats a shard chosen from its position
-            order = plan.shard_order(len(self.urls), seed=seed, epoch=epoch,
-                                     shuffle=self.shuffle_shards, generator=g)
-            idx = [order[plan.stream_index(rank, world, worker, num_workers) % len(order)]]
+        borrow = quota is not None or self.epoch_length is not None
+        urls = self._stream_urls(epoch, rank, world, worker, num_workers, borrow)
+        if quota is None:
+            yield from read(urls)
+            return
         n = 0
         while n < quota:
             before = n
-            for sample in read([self.urls[i] for i in idx]):
+            for sample in read(urls):
                 yield sample
                 n += 1
                 if n == quota:
@@ -304,41 +495,39 @@ class ShardDataset(IterableDataset):
                 src = _around_skipped(src, stage) if skipping else stage(src)
         return src
 
-    def _items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
-               policy: _ErrorPolicy, read: Callable[[list[str]], Iterator] | None = None,
-               skipping: bool = False) -> Iterator:
-        """The items of one reading stream; ``read(urls)`` yields the raw samples of a list of
-        shards (by default by reading them), ``skipping`` carries placeholders past the stages."""
-        if read is None:
-            read = lambda urls: self._shard_samples(urls, policy)
+    def _pass(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
+              policy: _ErrorPolicy, read: Callable, skipping: bool) -> Iterator:
+        """One ordinary pass of a stream (endless with resampled=True), through the stages."""
         quota = None
         if self.equalize is not None:
             quota = plan.equal_quotas(self.ensure_shard_sizes(), seed=self.seed, epoch=epoch,
                                       world=world, num_workers=num_workers, mode=self.equalize,
                                       shuffle=self.shuffle_shards,
                                       generator=self._generator_copy())[worker]
-        if self.epoch_length is None:  # one pass over the shards, nothing to count here
-            raw = self._raw(epoch, rank, world, worker, num_workers, 0, read, quota)
-            yield from self._pipeline(raw, epoch, rank, world, worker, num_workers, 0, policy, skipping)
+            if quota == 0 and self.epoch_length is not None:
+                quota = None  # with_epoch gives the stream its items: read its (borrowed) shards
+        raw = self._raw(epoch, rank, world, worker, num_workers, 0, read, quota)
+        return self._pipeline(raw, epoch, rank, world, worker, num_workers, 0, policy, skipping)
+
+    def _items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
+               policy: _ErrorPolicy, read: Callable[[list[str]], Iterator] | None = None,
+               skipping: bool = False) -> Iterator:
+        """The items of one reading stream: one pass (or with_epoch's endless succession of
+        passes, pass q as in epoch q); ``read(urls)`` yields the raw samples of a list of shards
+        (by default by reading them), ``skipping`` carries placeholders past the stages."""
+        if read is None:
+            read = lambda urls: self._shard_samples(urls, policy)
+        if self.epoch_length is None or self.resampled:
+            yield from self._pass(epoch, rank, world, worker, num_workers, policy, read, skipping)
             return
-        pass_ = 0
-        left = self.epoch_length  # with_epoch(n): passes over the shards until n items
-        while True:
-            raw = self._raw(epoch, rank, world, worker, num_workers, pass_, read, quota)
+        for q in itertools.count():
             produced = 0
-            for item in self._pipeline(raw, epoch, rank, world, worker, num_workers, pass_,
-                                       policy, skipping):
-                if left == 0:
-                    return
-                left -= 1
+            for item in self._pass(q, rank, world, worker, num_workers, policy, read, skipping):
                 produced += 1
                 yield item
-            if left == 0:
-                return
             if produced == 0:
                 raise ShardError(f"with_epoch({self.epoch_length}): reading stream rank {rank} "
-                                 f"worker {worker} produced no items")
-            pass_ += 1
+                                 f"worker {worker} has no readable samples")
 
     def _counts_are_content_free(self) -> bool:
         """Whether how many items a stream yields, and which samples each is made of, depend on
@@ -377,13 +566,38 @@ class ShardDataset(IterableDataset):
         reader = _SkippingReader(layout, delivered, self.options, policy)
         return self._items(epoch, rank, world, worker, num_workers, policy, reader.samples, True)
 
+    def _check_streams(self, world: int, num_workers: int) -> None:
+        """Warn (once per dataset) when some reading streams get no shard and nothing evens
+        that out."""
+        if (self.resampled or self.nodesplitter != _AUTO or self.workersplitter != _AUTO
+                or self.equalize == "repeat" or self.epoch_length is not None
+                or len(self.urls) >= world * num_workers or self._warned_streams):
+            return
+        self._warned_streams = True
+        warnings.warn(f"{len(self.urls)} shards for {world * num_workers} reading streams "
+                      f"({world} ranks x {num_workers} workers): some streams get no shard, so "
+                      "ranks and workers are uneven; use more shards or fewer workers, or "
+                      "equalize='repeat', with_epoch(n) or resampled=True", stacklevel=3)
+
+    def _rank_world(self) -> tuple[int, int]:
+        if self.nodesplitter is None:
+            return 0, 1  # the URL list is this rank's own
+        return rank_and_world(self.rank, self.world_size)
+
     def __iter__(self) -> Iterator:
         info = get_worker_info()
         physical, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        rank, world = rank_and_world(self.rank, self.world_size)
-        epoch = self.epoch
+        rank, world = self._rank_world()
+        if self._fixed_epoch is not None:
+            epoch = self._fixed_epoch
+        else:
+            key = (info.seed - info.id) & ((1 << 63) - 1) if info is not None else \
+                random.getrandbits(63)
+            epoch = self._cell.begin(key, physical)
         resume = self._resume
         self._resume = None
+        if physical == 0 and not self._tagged:
+            self._check_streams(world, num_workers)
         worker, skip = physical, 0
         if resume is not None and resume["epoch"] == epoch:
             if resume["num_workers"] != num_workers:
@@ -392,21 +606,40 @@ class ShardDataset(IterableDataset):
             # DataLoader cycles workers from 0; rotate so the next stream to deliver comes first
             worker = (resume["next"] + physical) % num_workers
             skip = resume["consumed"][worker]
+            if resume["next"] and callable(self.workersplitter):
+                raise ValueError("cannot resume this state with a custom workersplitter: the "
+                                 "state's next stream is not worker 0 (use workersplitter='auto')")
+        n = self.epoch_length
+        continued = n is not None and not self.resampled
+        start = epoch * n if continued else 0  # with_epoch: where this epoch's items begin
+        limit = None if n is None else n - skip
+        stream = (rank, world, worker, num_workers, start + skip)
         policy = _ErrorPolicy(self.on_error)
         items = None
-        if skip:
-            items = self._resumed_items(epoch, rank, world, worker, num_workers, policy, skip)
-        seeking = items is not None
+        if continued and self._live is not None and self._live[0] == stream:
+            items, policy = self._live[1], self._live[2]  # the stream left off right here
+            ahead = 0
+        else:
+            ahead = start + skip
+        self._live = None
+        if ahead:
+            items = self._resumed_items(epoch, rank, world, worker, num_workers, policy, ahead)
+        seeking = items is not None and ahead > 0
         if items is None:
             items = self._items(epoch, rank, world, worker, num_workers, policy)
+        full = items
+        keep = False
+        self._running = epoch
         try:
-            for _ in range(skip):
+            for _ in range(ahead):
                 item = next(items, _END)
                 if item is _END:
                     return
                 if seeking and not isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
             self._consumed = skip
+            if limit is not None:
+                items = itertools.islice(items, limit)
             if self._tagged:
                 yield from self._groups(items, worker, skip, policy, seeking)
                 return
@@ -417,11 +650,14 @@ class ShardDataset(IterableDataset):
                 self.error_count = policy.count
                 yield item
             self.error_count = policy.count
-            if info is None:
-                self.epoch = epoch + 1
-                self._consumed = 0
+            self._running = None
+            self._consumed = 0
+            if continued:
+                self._live = ((rank, world, worker, num_workers, start + n), full, policy)
+                keep = True
         finally:
-            items.close()
+            if not keep:
+                full.close()
 
     def _groups(self, items: Iterator, worker: int, skip: int, policy: _ErrorPolicy,
                 seeking: bool) -> Iterator[tuple[int, list[int], list]]:
@@ -697,14 +933,29 @@ class ShardLoader:
 
     def __init__(self, dataset: ShardDataset, *, num_workers: int = 0,
                  transfer_group: int | None = None,
-                 transfer_memory: int = DEFAULT_TRANSFER_MEMORY, **kwargs: Any):
-        for bad in ("batch_size", "sampler", "batch_sampler", "shuffle"):
+                 transfer_memory: int = DEFAULT_TRANSFER_MEMORY, batch_size: int | None = None,
+                 collate_fn: Callable | None = None, drop_last: bool = False, **kwargs: Any):
+        for bad in ("sampler", "batch_sampler", "shuffle"):
             if kwargs.get(bad) not in (None, False):
-                raise ValueError(f"ShardLoader does not take {bad}=; use dataset.batched(n) and "
-                                 "dataset.shuffle(n)")
+                raise ValueError(f"ShardLoader does not take {bad}=; use dataset.shuffle(n) or "
+                                 "loader.shuffle(n)")
             kwargs.pop(bad, None)
         if kwargs.get("persistent_workers"):
-            raise ValueError("ShardLoader needs fresh workers each epoch: persistent_workers=False")
+            raise ValueError("ShardLoader starts fresh workers each epoch (that is how it resumes "
+                             "exactly): pass persistent_workers=False, or use a plain DataLoader, "
+                             "whose persistent workers also get each epoch's order")
+        if batch_size is not None:
+            # as DataLoader's batch_size: batches made in the workers, collated by collate_fn
+            if int(batch_size) < 1:
+                raise ValueError(f"expected batch_size >= 1, got {batch_size!r}")
+            dataset = dataset.batched(int(batch_size), collation_fn=collate_fn or
+                                      stages.default_collate, partial=not drop_last)
+        elif collate_fn is not None:
+            # as DataLoader with batch_size=None: applied to every item, in the workers
+            dataset = dataset.map(collate_fn)
+        elif drop_last:
+            raise ValueError("drop_last=True needs batch_size= (or dataset.batched(n, "
+                             "partial=False))")
         if transfer_group is not None and int(transfer_group) < 1:
             raise ValueError(f"expected transfer_group >= 1, got {transfer_group!r}")
         if int(transfer_memory) < 0:
@@ -728,6 +979,44 @@ class ShardLoader:
         self._next = 0
         self._group = self.transfer_group
         self._resume: dict | None = None
+        self._stages: list[tuple[str, tuple]] = []  # loader-level stages
+        self._running = None  # this epoch's LoaderStages
+        self._drained = False  # the loader-level stages are emptying after the workers ended
+        self.length: int | None = None
+
+    # ---- loader-level stages (main process, over all workers' items) -----------------------
+
+    def _with(self, kind: str, *args) -> ShardLoader:
+        out = copy.copy(self)
+        out._stages = self._stages + [(kind, args)]
+        out.length = None
+        return out
+
+    def unbatched(self) -> ShardLoader:
+        """Split every item (a batch from the workers) into its samples."""
+        return self._with("unbatched")
+
+    def shuffle(self, bufsize: int) -> ShardLoader:
+        """Shuffle items across workers through a buffer of ``bufsize`` (reproducible per seed
+        and epoch; the buffer is part of state_dict())."""
+        if int(bufsize) < 1:
+            raise ValueError(f"expected bufsize >= 1, got {bufsize!r}")
+        return self._with("shuffle", int(bufsize))
+
+    def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
+                partial: bool = True) -> ShardLoader:
+        """Group items into batches of ``batchsize`` in the main process (across workers)."""
+        if int(batchsize) < 1:
+            raise ValueError(f"expected batchsize >= 1, got {batchsize!r}")
+        return self._with("batched", int(batchsize), collation_fn, partial)
+
+    def with_length(self, n: int) -> ShardLoader:
+        """Declare how many items an epoch of this loader yields: ``len()`` returns it."""
+        if int(n) < 0:
+            raise ValueError(f"expected a length >= 0, got {n!r}")
+        out = copy.copy(self)
+        out.length = int(n)
+        return out
 
     @property
     def error_count(self) -> int:
@@ -736,11 +1025,16 @@ class ShardLoader:
 
     def state_dict(self) -> dict:
         """Epoch, seed, items consumed per reading stream, the stream that delivers next and the
-        transfer group size: enough to resume exactly."""
-        return {"version": STATE_VERSION, "epoch": self.epoch, "seed": self.dataset.seed,
-                "num_workers": self._streams, "consumed": list(self._consumed),
-                "next": self._next, "num_shards": len(self.dataset.urls),
-                "transfer_group": self._group}
+        transfer group size: enough to resume exactly. With loader-level stages, also their
+        state, including the items in their buffers (the state grows with the buffer)."""
+        state = {"version": STATE_VERSION, "epoch": self.epoch, "seed": self.dataset.seed,
+                 "num_workers": self._streams, "consumed": list(self._consumed),
+                 "next": self._next, "num_shards": len(self.dataset.urls),
+                 "transfer_group": self._group}
+        if self._stages:
+            state["loader_stages"] = self._running.state() if self._running is not None else None
+            state["loader_drained"] = self._drained
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state`` on the next iteration (the rest of that epoch uses the state's
@@ -748,6 +1042,8 @@ class ShardLoader:
         if int(state["num_workers"]) != self._streams:
             raise ValueError(f"state was saved with {state['num_workers']} workers, this loader "
                              f"has {self._streams}")
+        if bool(self._stages) != ("loader_stages" in state):
+            raise ValueError("state and loader differ in having loader-level stages")
         probe = copy.copy(self.dataset)
         probe.load_state_dict(state)  # validates
         self.epoch = int(state["epoch"])
@@ -765,11 +1061,55 @@ class ShardLoader:
         return TransferArena(self._streams, slots, self.transfer_memory)
 
     def __len__(self) -> int:
-        raise TypeError("ShardLoader has no length; use dataset.with_epoch(n) for fixed epochs")
+        if self.length is not None:
+            return self.length
+        if self._stages:
+            raise TypeError("loader-level stages change the number of items: declare it with "
+                            "loader.with_length(n)")
+        if self.dataset.length is not None:
+            return self.dataset.length
+        if self.dataset.epoch_length is not None:
+            return self.dataset.epoch_length * self._streams
+        raise TypeError("ShardLoader has no length: declare it with dataset.with_length(n) (the "
+                        "items an epoch yields on this rank) or fix it with dataset.with_epoch(n) "
+                        "(n items per worker, so len() is n x num_workers)")
 
     def __iter__(self) -> Iterator:
+        if not self._stages:
+            yield from self._upstream()
+            return
+        resume = self._resume
+        loader_state = resume.get("loader_stages") if resume is not None else None
+        drained = bool(resume.get("loader_drained")) if resume is not None else False
+        epoch = self.epoch
+        if drained:  # the workers had finished: only the buffers are left of that epoch
+            self._resume = None
+            upstream: Iterator = iter(())
+            epoch -= 1
+        else:
+            upstream = self._upstream()
+        self._running = running = LoaderStages(self._stages, self.dataset.seed, epoch)
+        if loader_state is not None:
+            running.load(loader_state)
+        self._drained = drained
+
+        def feed() -> Iterator:
+            yield from upstream
+            self._drained = True  # what follows comes from the buffers only
+
+        try:
+            yield from running.run(feed())
+        finally:
+            close = getattr(upstream, "close", None)
+            if close is not None:
+                close()
+        self._running = None
+        self._drained = False
+
+    def _upstream(self) -> Iterator:
+        self.dataset._check_streams(self.dataset._rank_world()[1], self._streams)
         ds = copy.copy(self.dataset)
-        ds.set_epoch(self.epoch)
+        ds._fixed_epoch = self.epoch
         ds._tagged = True
         group = self.transfer_group
         if self.dataset.equalize is not None:

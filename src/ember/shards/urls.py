@@ -104,6 +104,8 @@ class UrlOptions:
     attempts tolerated per shard (a resumed read that makes progress resets it); ``allow_pipe``
     enables ``pipe:`` URLs; ``s3_endpoint`` overrides the S3 endpoint (else the
     ``EMBER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL`` environment variable, else AWS).
+    ``cache_dir``: keep a local copy of every ``http(s)://`` and ``s3://`` shard read, and read
+    the copy next time (see :mod:`ember.shards.cache`); ``cache_size`` bounds it in bytes.
     """
 
     timeout: float = 60.0
@@ -111,6 +113,8 @@ class UrlOptions:
     backoff: float = 0.2
     allow_pipe: bool = False
     s3_endpoint: str | None = None
+    cache_dir: str | None = None
+    cache_size: int | None = None
 
 
 def local_path(url: str) -> Path | None:
@@ -133,10 +137,17 @@ def open_url(url: str, options: UrlOptions | None = None) -> BinaryIO:
         if not options.allow_pipe:
             raise ShardError("pipe: URLs run shell commands and are disabled; pass allow_pipe=True", url)
         return _PipeStream(url[5:], url)
-    if url.startswith(("http://", "https://")):
-        return _RetryingStream(url, _HttpOpener(url, options.timeout), options)
-    if url.startswith("s3://"):
-        return _RetryingStream(url, _S3Opener(url, options), options)
+    if url.startswith(("http://", "https://", "s3://")):
+        if options.cache_dir is not None:
+            from ember.shards.cache import CachingStream, cache_path, open_cached
+
+            final = cache_path(options.cache_dir, url)
+            cached = open_cached(final)
+            if cached is not None:
+                return cached
+            return io.BufferedReader(CachingStream(_remote(url, options), final,
+                                                   options.cache_size), 1 << 16)
+        return _remote(url, options)
     path = local_path(url)
     if path is None:
         scheme = url.split(":", 1)[0]
@@ -148,6 +159,12 @@ def open_url(url: str, options: UrlOptions | None = None) -> BinaryIO:
         raise ShardError("no such file", url) from None
     except OSError as exc:
         raise ShardError(f"cannot open: {exc}", url) from exc
+
+
+def _remote(url: str, options: UrlOptions) -> BinaryIO:
+    if url.startswith("s3://"):
+        return _RetryingStream(url, _S3Opener(url, options), options)
+    return _RetryingStream(url, _HttpOpener(url, options.timeout), options)
 
 
 class _Transient(Exception):
