@@ -209,3 +209,14 @@ def test_len(make_shards):
     with pytest.raises(TypeError, match=r"loader.with_length\(n\)"):
         len(rebatched)
     assert len(rebatched.with_length(4)) == 4
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_items_arrive_as_the_pipeline_made_them(make_shards, num_workers):
+    import numpy as np
+
+    pattern, _ = make_shards(2, 3)
+    ds = ShardDataset(pattern).map(lambda s: (s["__key__"], np.zeros(2), [1]))
+    for item in ShardLoader(ds, num_workers=num_workers):
+        # DataLoader's default_convert would make the tuple a list and the array a tensor
+        assert type(item) is tuple and isinstance(item[1], np.ndarray) and item[2] == [1]

@@ -696,6 +696,10 @@ class ShardDataset(IterableDataset):
 _END = object()
 
 
+def _as_is(item: Any) -> Any:
+    return item
+
+
 def _one_to_one(kind: str, p: tuple, policy: _ErrorPolicy) -> Callable[[Iterator], Iterator]:
     """The stage for a pipeline entry that turns each item into exactly one item."""
     if kind == "decode":
@@ -1128,7 +1132,10 @@ class ShardLoader:
         self._consumed, self._next, self._group = consumed, first, group
         self._errors = [0] * self._streams
         ds._arena = arena = self._arena()
-        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self.kwargs)
+        # the groups travel as they are (DataLoader's default_convert would turn the items'
+        # tuples into lists); collate_fn= was applied in the workers' pipeline
+        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+                            collate_fn=_as_is, **self.kwargs)
         n = self._streams
         try:
             for stream, errors, group in loader:
