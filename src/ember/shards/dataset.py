@@ -406,9 +406,26 @@ class ShardDataset(IterableDataset):
     def ensure_shard_sizes(self) -> list[int]:
         """Sample counts of every shard (from shard_sizes, index files, or a header scan)."""
         if self.shard_sizes is None:
-            from ember.shards.index import sample_count
+            from ember.shards.index import _spans
 
-            self.shard_sizes = [sample_count(u, self.options) for u in self.urls]
+            sizes, scanned = [], 0
+            for u in self.urls:
+                index = read_index(u, self.options)
+                if index is not None:
+                    sizes.append(len(index["samples"]))
+                    continue
+                if local_path(u) is None and not scanned and self.options.cache_dir is None:
+                    where = " in every DataLoader worker" if get_worker_info() is not None else ""
+                    remote = sum(local_path(x) is None for x in self.urls)
+                    warnings.warn(f"equalize={self.equalize!r} needs sample counts: remote shard "
+                                  f"{u} (of {remote} remote shards) has no index file ({u}.idx), "
+                                  f"so shards without one are downloaded once more{where} only to "
+                                  "count their samples; pass shard_sizes=, write indexes (`ember "
+                                  "shards index`), or set cache_dir= so that download is reused",
+                                  stacklevel=2)
+                scanned += 1
+                sizes.append(sum(1 for _ in _spans(u, self.options)))
+            self.shard_sizes = sizes
         return self.shard_sizes
 
     def _shard_samples(self, urls: list[str], policy: _ErrorPolicy) -> Iterator[dict]:
