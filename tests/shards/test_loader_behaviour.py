@@ -220,3 +220,17 @@ def test_loader_items_arrive_as_the_pipeline_made_them(make_shards, num_workers)
     for item in ShardLoader(ds, num_workers=num_workers):
         # DataLoader's default_convert would make the tuple a list and the array a tensor
         assert type(item) is tuple and isinstance(item[1], np.ndarray) and item[2] == [1]
+
+
+def test_epochs_reach_spawned_persistent_workers(make_shards):
+    # spawn (the macOS/Windows default) pickles the dataset into each worker: the epoch counter
+    # must travel as shared memory, not as a copy
+    pattern, keys = make_shards(4, 3)
+    ds = ShardDataset(pattern, seed=4).shuffle(7).map(_key)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="spawn")
+    first, second = list(loader), list(loader)
+    ds.set_epoch(5)
+    fifth = list(loader)
+    assert first == _reference(pattern, 0, 2) and second == _reference(pattern, 1, 2)
+    assert fifth == _reference(pattern, 5, 2)

@@ -144,7 +144,8 @@ class _EpochCell:
     their base seed)."""
 
     def __init__(self, pending: int = -1, current: int = -1):
-        self._lock = multiprocessing.Lock()
+        # a spawn-context lock can also be inherited by forked workers (not the other way round)
+        self._lock = multiprocessing.get_context("spawn").Lock()
         self._cells = multiprocessing.RawArray("q", 3 + _MAX_WORKERS // 64)
         self._cells[0], self._cells[1], self._cells[2] = pending, current, -1
 
