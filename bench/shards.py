@@ -12,11 +12,19 @@ kept. The page cache is warmed by
 one untimed cat first; the time cat takes to start and exit with no data is subtracted from its
 runs, so the ceiling is the read itself. Prints a table and writes bench/results/shards.json
 (or ``--out``). ``--quick`` uses a quarter of the samples.
+
+A second table compares loader features with plain local reading in the same process (0
+workers): the second epoch of shards served over HTTP on 127.0.0.1 and read through
+``cache_dir=`` (goal: at least 90% of local reading), and ``resampled=True`` streams cut with
+``with_epoch`` (goal: the same samples/s as plain reading).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import http.server
+import threading
 import json
 import os
 import platform
@@ -112,6 +120,34 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=None)
+def _server(directory: str) -> str:
+    """An HTTP server on 127.0.0.1 serving ``directory`` (for the life of the process)."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=directory)
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _features(d: str, label: str, files: list[str], n: int, repeat: int) -> list[dict]:
+    """cache_dir second epoch and resampled streams against plain local reading (0 workers)."""
+    base = _server(d)
+    urls = [f"{base}/{os.path.basename(f)}" for f in files]
+    cache = tempfile.mkdtemp(dir=d)
+    _read(ShardDataset(urls, shuffle_shards=False, cache_dir=cache), 0, n)  # epoch 1 fills it
+    local, cached, resampled = [], [], []
+    for _ in range(repeat):
+        local.append(_read(ShardDataset(files, shuffle_shards=False), 0, n))
+        cached.append(_read(ShardDataset(urls, shuffle_shards=False, cache_dir=cache), 0, n))
+        resampled.append(_read(ShardDataset(files, resampled=True).with_epoch(n), 0, n))
+    tl = min(local)
+    return [{"case": f"cache_dir 2nd epoch {label}", "feature_sps": n / min(cached),
+             "local_sps": n / tl, "ratio": tl / min(cached), "goal": 0.9},
+            {"case": f"resampled {label}", "feature_sps": n / min(resampled),
+             "local_sps": n / tl, "ratio": tl / min(resampled), "goal": 1.0}]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a quarter of the samples")
@@ -122,7 +158,7 @@ def main() -> int:
 
     warnings.filterwarnings("ignore")
     sizes = {k: (s, n // 4 if args.quick else n) for k, (s, n) in SIZES.items()}
-    rows = []
+    rows, features = [], []
     with tempfile.TemporaryDirectory() as d:
         spawn = min(_cat(["/dev/null"]) for _ in range(5))  # cat start-up and exit alone
         for label, (size, n) in sizes.items():
@@ -159,7 +195,13 @@ def main() -> int:
                 )
                 if floor:
                     rows[-1]["floor_sps"] = n / min(floor)
+            features.extend(_features(d, label, files, n, args.repeat))
     print(_table(rows))
+    print()
+    print(f"{'feature (0 workers)':28} {'feature/s':>10} {'local/s':>10} {'ratio':>6} {'goal':>5}")
+    for r in features:
+        print(f"{r['case']:28} {r['feature_sps']:10.0f} {r['local_sps']:10.0f} "
+              f"{r['ratio']:6.2f} {r['goal']:5.2f}")
     print(f"compiled tar scan and grouping: {'yes' if tar._scan is not None else 'no (pure Python)'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -171,7 +213,7 @@ def main() -> int:
         "compiled_speedups": tar._scan is not None,
         "samples": {k: n for k, (_, n) in sizes.items()},
     }
-    args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({**meta, "rows": rows, "features": features}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

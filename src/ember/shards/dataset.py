@@ -478,14 +478,18 @@ class ShardDataset(IterableDataset):
 
     def _raw(self, epoch: int, rank: int, world: int, worker: int, num_workers: int, pass_: int,
              read: Callable[[list[str]], Iterator], quota: int | None) -> Iterator:
+        # returns the reader's own iterator where it can: one generator less per sample
         if self.resampled:
-            yield from read(self._draws(epoch, rank, world, worker, num_workers))
-            return
+            return read(self._draws(epoch, rank, world, worker, num_workers))
         borrow = quota is not None or self.epoch_length is not None
         urls = self._stream_urls(epoch, rank, world, worker, num_workers, borrow)
         if quota is None:
-            yield from read(urls)
-            return
+            return read(urls)
+        return self._with_quota(urls, rank, worker, read, quota)
+
+    @staticmethod
+    def _with_quota(urls: list[str], rank: int, worker: int, read: Callable,
+                    quota: int) -> Iterator:
         n = 0
         while n < quota:
             before = n
@@ -536,8 +540,12 @@ class ShardDataset(IterableDataset):
         if read is None:
             read = lambda urls: self._shard_samples(urls, policy)
         if self.epoch_length is None or self.resampled:
-            yield from self._pass(epoch, rank, world, worker, num_workers, policy, read, skipping)
-            return
+            return self._pass(epoch, rank, world, worker, num_workers, policy, read, skipping)
+        return self._passes(rank, world, worker, num_workers, policy, read, skipping)
+
+    def _passes(self, rank: int, world: int, worker: int, num_workers: int,
+                policy: _ErrorPolicy, read: Callable, skipping: bool) -> Iterator:
+        """with_epoch: the endless succession of a stream's passes, pass q as in epoch q."""
         for q in itertools.count():
             produced = 0
             for item in self._pass(q, rank, world, worker, num_workers, policy, read, skipping):
@@ -576,7 +584,7 @@ class ShardDataset(IterableDataset):
         except _NoIndex:
             return None
         finally:
-            shape.close()
+            getattr(shape, "close", lambda: None)()
         reason = layout.mismatch(delivered)
         if reason is not None:
             warnings.warn(f"{reason}; resuming by reading and discarding the consumed samples")
@@ -675,7 +683,7 @@ class ShardDataset(IterableDataset):
                 keep = True
         finally:
             if not keep:
-                full.close()
+                getattr(full, "close", lambda: None)()
 
     def _groups(self, items: Iterator, worker: int, skip: int, policy: _ErrorPolicy,
                 seeking: bool) -> Iterator[tuple[int, list[int], list]]:
