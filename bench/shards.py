@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
-import threading
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -120,7 +120,7 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _server(directory: str) -> str:
     """An HTTP server on 127.0.0.1 serving ``directory`` (for the life of the process)."""
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=directory)

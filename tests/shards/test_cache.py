@@ -90,7 +90,7 @@ def test_an_abandoned_read_is_not_cached(tmp_path):
     (p, data), = files.items()
     cache = tmp_path / "cache"
     with _http(files) as (base, _):
-        for s in ShardDataset([base + p], cache_dir=cache):
+        for _sample in ShardDataset([base + p], cache_dir=cache):
             break
         assert _cache_files(cache) == []
         assert _keys(ShardDataset([base + p], cache_dir=cache)) == keys

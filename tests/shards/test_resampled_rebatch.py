@@ -105,7 +105,7 @@ def test_loader_level_rebatching_across_workers(tmp_path, num_workers):
         assert Counter(_keys_of_batches(e)) == Counter(keys)
         assert [len(b[0]) for b in e] == [6] * 10 + [3]
         assert all(isinstance(b[1], torch.Tensor) and b[1].shape == (len(b[0]),) for b in e)
-        assert all(int(c) == keys.index(k) for keys_, cs in e for k, c in zip(keys_, cs))
+        assert all(int(c) == keys.index(k) for keys_, cs in e for k, c in zip(keys_, cs, strict=True))
     assert _keys_of_batches(e0) != _keys_of_batches(e1)
     plain = ShardLoader(base, num_workers=num_workers).unbatched().batched(6)
     assert _keys_of_batches(list(plain)) != _keys_of_batches(e0)  # the shuffle does shuffle

@@ -11,6 +11,7 @@ recently used copies are removed until the rest fits. Portable: no file locks ar
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -37,13 +38,11 @@ def cache_path(cache_dir: str | os.PathLike, url: str) -> Path:
 def open_cached(path: Path) -> BinaryIO | None:
     """The cached copy at ``path`` opened for reading (marked as just used), or None."""
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 (the caller closes it)
     except OSError:
         return None
-    try:
+    with contextlib.suppress(OSError):  # another process may be evicting it: f still reads it
         os.utime(path)
-    except OSError:
-        pass  # another process may be evicting it; our open handle still reads it
     return f
 
 
@@ -110,10 +109,8 @@ class CachingStream(io.RawIOBase):
         if self._file is not None:
             self._file.close()
         if self._tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self._tmp)
-            except OSError:
-                pass
             self._tmp = None
 
     def close(self) -> None:
@@ -152,10 +149,8 @@ def evict(cache_dir: Path, cache_size: int, keep: Path | None = None) -> None:
             continue
         if name.endswith(PART):
             if now - st.st_mtime > STALE_PART_SECONDS:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(path)
-                except OSError:
-                    pass
             continue
         entries.append((st.st_mtime, st.st_size, path))
     total = sum(size for _, size, _ in entries)

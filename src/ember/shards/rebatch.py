@@ -31,11 +31,11 @@ def unbatch(batch: Any) -> list:
         keys = list(batch)
         rows = [unbatch(batch[k]) for k in keys]
         _same_lengths(rows, batch)
-        return [dict(zip(keys, parts)) for parts in zip(*rows)] if rows else []
+        return [dict(zip(keys, parts, strict=True)) for parts in zip(*rows, strict=True)] if rows else []
     if isinstance(batch, tuple):
         rows = [unbatch(part) for part in batch]
         _same_lengths(rows, batch)
-        return [tuple(parts) for parts in zip(*rows)]
+        return [tuple(parts) for parts in zip(*rows, strict=True)]
     if isinstance(batch, list):
         return list(batch)
     raise TypeError(f"unbatched() needs batches (lists, tensors, or tuples/dicts of them), got "
@@ -140,7 +140,7 @@ class LoaderStages:
         if len(state) != len(self.stages):
             raise ValueError(f"state has {len(state)} loader-level stages, this loader has "
                              f"{len(self.stages)}")
-        for stage, st in zip(self.stages, state):
+        for stage, st in zip(self.stages, state, strict=True):
             stage.load(st)
 
     def run(self, upstream: Iterator) -> Iterator:
