@@ -81,5 +81,6 @@ def weights_digest(model: nn.Module) -> str:
     for name, t in model.state_dict().items():
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # reshape first: a 0-dim tensor (BatchNorm's num_batches_tracked) cannot be viewed as bytes
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
