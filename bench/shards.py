@@ -123,8 +123,11 @@ def _table(rows: list[dict]) -> str:
 @functools.cache
 def _server(directory: str) -> str:
     """An HTTP server on 127.0.0.1 serving ``directory`` (for the life of the process)."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=directory)
-    handler.log_message = lambda *a: None
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=directory)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{server.server_address[1]}"
