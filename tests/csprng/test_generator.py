@@ -16,9 +16,10 @@ def draw(g, n=64):
     return torch.randint(-(2**63), 2**63 - 1, (n,), generator=g)
 
 
-def test_is_a_torch_generator_on_cpu():
+def test_is_not_a_torch_generator_so_torch_refuses_it_on_unrouted_paths():
     g = csprng.create_random_device_generator()
-    assert isinstance(g, torch.Generator)
+    assert not isinstance(g, torch.Generator) and csprng.is_generator(g)
+    assert not csprng.is_generator(torch.Generator())
     assert g.device == torch.device("cpu")
     assert g.kind == "random_device" and not g.reproducible
 
@@ -170,13 +171,14 @@ def test_counter_exhaustion_raises_and_leaves_the_state_alone():
     assert g.counter == 2**128
 
 
-def test_drawing_from_the_inherited_torch_state_is_reported_on_the_next_call():
+def test_torch_kernels_reached_without_ember_refuse_the_generator():
     g = csprng.create_generator(1)
-    # torch's own kernel, bypassing ember's routing: it consumes the inherited Mersenne Twister
-    torch._C._VariableFunctions.rand(3, generator=g)
-    with pytest.raises(InheritedStateUsed, match="NOT cryptographically secure"):
-        torch.rand(3, generator=g)
-    torch.rand(3, generator=g)  # reported once; the generator keeps working
+    # torch's own kernel, bypassing ember's routing: there is no inherited state to draw from
+    with pytest.raises(TypeError):
+        torch._C._VariableFunctions.rand(3, generator=g)
+    assert g.counter == 0
+    assert issubclass(InheritedStateUsed, RuntimeError)  # the old name still imports
+    torch.rand(3, generator=g)  # the generator keeps working
 
 
 def test_supports_cuda_matches_torch():

@@ -14,6 +14,7 @@ from .generator import (
     create_generator,
     create_mt19937_generator,
     create_random_device_generator,
+    is_generator,
     supports_cuda,
 )
 from .stream import CounterExhausted
@@ -29,6 +30,7 @@ __all__ = [
     "create_random_device_generator",
     "decrypt",
     "encrypt",
+    "is_generator",
     "supports_cuda",
 ]
 

@@ -1,10 +1,11 @@
-"""``ember.csprng.Generator``: a ``torch.Generator`` whose values come from a cryptographic stream.
+"""``ember.csprng.Generator``: a generator for torch's random API whose values come from a cipher.
 
-The object is a real ``torch.Generator`` so that torch accepts it wherever it takes ``generator=``;
-:mod:`ember.csprng.torch_adapter` routes those calls to the generator's sampler. The inherited
-(Mersenne Twister) state is never used for output: it is fixed at construction and checked on every
-ember call, so a torch path that consumed it anyway is reported instead of silently producing
-non-secure numbers.
+The object is deliberately *not* a ``torch.Generator``: it has no Mersenne Twister state at all.
+:mod:`ember.csprng.torch_adapter` routes torch's random functions to its sampler when it is passed
+as ``generator=``; every other path into torch's C++ kernels (``torch.ops.aten.*``,
+``torch._C._VariableFunctions.*``, functions bound before ember was imported, ...) is refused by
+torch's own argument parser with a TypeError or RuntimeError before anything is drawn. So a value
+either comes from ember's stream or the call raises: there is no state to fall back on.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -31,29 +33,26 @@ _MAGIC = b"EMBR"
 _VERSION = 1
 _HEADER = 72  # see _state_bytes for the layout
 KINDS = ("random_device", "seeded", "keyed", "derived", "mt19937")
-_GUARD_SEED = 0x656D626572  # seeds the unused inherited state; any draw from it changes the state
-
-
-_get_state = torch.Generator.get_state  # the inherited state, read on every ember call
+_CPU = torch.device("cpu")
 
 
 class InheritedStateUsed(RuntimeError):
-    """A torch function drew from the generator's inherited (non-secure) torch state."""
+    """Kept for compatibility with ember < 0.3, whose generator subclassed ``torch.Generator`` and
+    reported draws from its inherited state with this error. The generator no longer has such a
+    state (unrouted torch paths now raise at once), so ember itself no longer raises it."""
 
 
-class Generator(torch.Generator):
+class Generator:
     """A cryptographically secure generator: AES-128 in counter mode over a 128-bit counter.
 
     Construct it with :func:`create_random_device_generator` (key from the OS), with
     :func:`create_generator` (key derived from a seed, reproducible) or with
     :func:`create_mt19937_generator` (torchcsprng-compatible streams). ``Generator()`` alone is a
-    random-device generator.
+    random-device generator. Pass it as ``generator=`` to torch's random functions; it is not a
+    ``torch.Generator`` subclass (use :func:`ember.csprng.is_generator` to test for one).
     """
 
     def __init__(self) -> None:
-        super().__init__()  # CPU; extra arguments cannot be forwarded to torch.Generator
-        torch.Generator.manual_seed(self, _GUARD_SEED)
-        self._guard = _get_state(self).numpy().tobytes()
         self._lock = threading.Lock()
         self._spawned = 0
         self._seed: int | None = None
@@ -70,18 +69,22 @@ class Generator(torch.Generator):
         old = getattr(self, "_stream", None)
         if old is not None:
             forget_fork_rekey(old)
+        _RESEED_AFTER_FORK.discard(self)
         self._kind = kind
         self._seed = seed
         self._stream = BlockStream(key, counter, cipher)
         self._sampler: Any = NativeSampler(self._stream)
         self._from_os = from_os
-        if from_os:
+        if from_os and seed is not None:  # seeded from the OS by seed(): a child re-seeds
+            _RESEED_AFTER_FORK.add(self)
+        elif from_os:
             rekey_after_fork(self._stream)
 
     def _set_compat(self, sampler: Any) -> None:
         old = getattr(self, "_stream", None)
         if old is not None:
             forget_fork_rekey(old)
+        _RESEED_AFTER_FORK.discard(self)
         self._kind = "mt19937"
         self._stream = None
         self._sampler = sampler
@@ -109,22 +112,25 @@ class Generator(torch.Generator):
         """The next unused block counter (0 for the torchcsprng-compatible kind)."""
         return 0 if self._stream is None else self._stream.counter
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the generator's state: always the CPU (it fills tensors on any device)."""
+        return _CPU
+
     def sampler(self) -> Any:
-        """The sampler that produces this generator's values, after checking the inherited state."""
-        if _get_state(self).numpy().tobytes() != self._guard:
-            torch.Generator.set_state(self, _guard_state())
-            raise InheritedStateUsed(
-                "a torch function drew from this ember.csprng.Generator's inherited torch "
-                "(Mersenne Twister) state, so its output was NOT cryptographically secure. "
-                "That function is not routed to ember; call it without generator=g or use an "
-                "ember-supported function (see docs/csprng.md, 'torch integration')."
-            )
+        """The sampler that produces this generator's values."""
         return self._sampler
 
     # ------------------------------------------------------------------ torch.Generator API
-    def manual_seed(self, seed: int) -> Generator:  # type: ignore[override]
-        """Re-key deterministically from ``seed`` (an int in [0, 2**128)) at counter 0."""
-        seed = int(seed)
+    def manual_seed(self, seed: int) -> Generator:
+        """Re-key deterministically from ``seed`` at counter 0; the generator becomes seeded.
+
+        ``seed`` is an int as for ``torch.Generator.manual_seed``: a negative seed in
+        ``[-2**63, 0)`` means ``seed + 2**64`` as in torch; non-negative seeds may be up to
+        ``2**128 - 1`` (torch: ``2**64 - 1``). Floats, bools, strings and tensors raise
+        ``RuntimeError`` and out-of-range ints ``ValueError``, as in torch.
+        """
+        seed = check_seed(seed, "manual_seed")
         if self._kind == "mt19937":
             from .compat import MT19937Sampler
 
@@ -133,12 +139,24 @@ class Generator(torch.Generator):
         self._set_stream("seeded", key_from_seed(seed), 0, self.cipher, seed=seed)
         return self
 
-    def seed(self) -> int:  # type: ignore[override]
-        """Re-key from a fresh 128-bit seed taken from the OS; returns the seed."""
-        seed = int.from_bytes(os.urandom(16), "little")
+    def seed(self) -> int:
+        """Re-key from a fresh 128-bit seed taken from the OS; returns the seed.
+
+        The generator stays OS-keyed: it refuses pickling (unless ``allow_pickle``) and a forked
+        child re-seeds itself from the OS, so parent and child never share a stream (its
+        ``initial_seed()`` then returns the child's own seed). ``manual_seed(returned seed)``
+        repeats the stream deterministically. The torchcsprng-compatible kind takes a 32-bit seed
+        and, like torchcsprng, is not re-seeded after a fork.
+        """
         if self._kind == "mt19937":
-            seed &= 0xFFFFFFFF
-        self.manual_seed(seed)
+            seed = int.from_bytes(os.urandom(4), "little")
+            self.manual_seed(seed)
+            return seed
+        return self._reseed_from_os()
+
+    def _reseed_from_os(self) -> int:
+        seed = int.from_bytes(os.urandom(16), "little")
+        self._set_stream("seeded", key_from_seed(seed), 0, self.cipher, from_os=True, seed=seed)
         return seed
 
     def initial_seed(self) -> int:  # type: ignore[override]
@@ -262,10 +280,43 @@ def _from_state_bytes(data: bytes) -> Generator:
     return g
 
 
-def _guard_state() -> torch.Tensor:
-    g = torch.Generator()
-    g.manual_seed(_GUARD_SEED)
-    return g.get_state()
+def check_seed(seed: Any, what: str) -> int:
+    """``seed`` as a non-negative int under torch's rules for ``manual_seed`` (see there)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        if _is_numpy_integer(seed):
+            raise TypeError(f"{what}: an integer is required (got {type(seed).__name__}); "
+                            "pass int(seed)")
+        raise SeedError(f"{what} expected a long, but got {type(seed).__name__}")
+    if seed < 0:
+        if seed < -(1 << 63):
+            raise ValueError(f"{what}: seed {seed} is below -2**63 (torch's range)")
+        return seed + (1 << 64)  # torch reads a negative seed as its two's complement
+    if seed >= 1 << 128:
+        raise ValueError(f"{what}: seed {seed} does not fit in 128 bits")
+    return seed
+
+
+def _is_numpy_integer(x: Any) -> bool:
+    np = __import__("sys").modules.get("numpy")
+    return np is not None and isinstance(x, np.integer)
+
+
+class SeedError(RuntimeError, TypeError):
+    """A seed that is not an int (torch raises RuntimeError; it is also a TypeError)."""
+
+
+# Generators re-seeded by seed(): a forked child re-seeds each from the OS.
+_RESEED_AFTER_FORK: weakref.WeakSet = weakref.WeakSet()
+
+
+def _reseed_in_child() -> None:
+    for g in list(_RESEED_AFTER_FORK):
+        g._lock = threading.Lock()
+        g._reseed_from_os()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only; Windows has no fork
+    os.register_at_fork(after_in_child=_reseed_in_child)
 
 
 # ---------------------------------------------------------------------- constructors
@@ -299,8 +350,8 @@ def create_generator(seed: int | None = None, *, key: bytes | torch.Tensor | Non
             key = bytes(key.detach().contiguous().cpu().view(torch.uint8).numpy())
         g._set_stream("keyed", check_key(key), 0, cipher)
     else:
-        if seed is None:
-            seed = int.from_bytes(os.urandom(16), "little")
+        seed = (int.from_bytes(os.urandom(16), "little") if seed is None
+                else check_seed(seed, "create_generator"))
         g._set_stream("seeded", key_from_seed(seed), 0, cipher, seed=seed)
     return g
 
@@ -316,6 +367,11 @@ def create_mt19937_generator(seed: int | None = None) -> Generator:
     g = Generator()
     g._set_compat(MT19937Sampler(seed))
     return g
+
+
+def is_generator(obj: Any) -> bool:
+    """Whether ``obj`` is an ember generator (they are not ``torch.Generator`` instances)."""
+    return isinstance(obj, Generator)
 
 
 def supports_cuda() -> bool:
