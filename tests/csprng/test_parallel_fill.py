@@ -67,3 +67,46 @@ def test_shared_chunks_cover_every_item_once():
     assert seen[0][0] == 0 and seen[-1][1] == n
     assert all(x[1] == y[0] for x, y in zip(seen, seen[1:], strict=False))
     assert all(b - a == size for a, b, size in seen)
+
+
+def _no_sharing(*args, **kwargs):
+    raise AssertionError("a draw was split across threads")
+
+
+def test_one_torch_thread_keeps_large_draws_on_the_calling_thread(monkeypatch):
+    threads = torch.get_num_threads()
+    g = csprng.create_generator(3)
+    want = torch.rand(1 << 20, generator=g)  # 4 MiB of keystream: above PARALLEL_BYTES
+    monkeypatch.setattr(distributions, "_share_chunks", _no_sharing)
+    try:
+        torch.set_num_threads(1)
+        assert distributions._threads(1 << 30) == 1
+        g = csprng.create_generator(3)
+        got = torch.rand(1 << 20, generator=g)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(want, got)
+
+
+def test_a_process_pinned_to_one_cpu_draws_on_one_thread(monkeypatch):
+    if hasattr(distributions.os, "sched_getaffinity"):  # Linux: the mask, not the machine, counts
+        monkeypatch.setattr(distributions.os, "sched_getaffinity", lambda pid: {0})
+    else:
+        monkeypatch.setattr(distributions.os, "cpu_count", lambda: 1)
+    assert distributions._usable_cpus() == 1
+    assert distributions._threads(1 << 30) == 1
+    monkeypatch.setattr(distributions, "_share_chunks", _no_sharing)
+    g = csprng.create_generator(3)
+    x = torch.randn(1 << 20, generator=g)
+    assert x.shape == (1 << 20,) and bool(x.isfinite().all())
+
+
+def test_small_draws_use_one_thread_and_large_ones_up_to_the_usable_cpus(monkeypatch):
+    monkeypatch.setattr(distributions, "_usable_cpus", lambda: 2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert distributions._threads(distributions.PARALLEL_BYTES - 1) == 1
+        assert distributions._threads(distributions.PARALLEL_BYTES) == 2
+    finally:
+        torch.set_num_threads(threads)

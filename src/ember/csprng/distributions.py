@@ -136,10 +136,21 @@ _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask where the OS has one (Linux), else all."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def _threads(nbytes: int) -> int:
+    """Threads for a draw of ``nbytes`` of keystream: one below PARALLEL_BYTES, and never more
+    than ``torch.get_num_threads()`` (the user's knob) or the CPUs the process may use, so that a
+    process pinned to one core, or told to use one thread, runs every draw on the calling thread."""
     if nbytes < PARALLEL_BYTES:
         return 1
-    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1, 8))
+    return max(1, min(torch.get_num_threads(), _usable_cpus(), 8))
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
