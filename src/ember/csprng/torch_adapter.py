@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .generator import Generator
+from .stream import CounterExhausted
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 # device type -> fill(generator, tensor, method, params) for tensors on that device
@@ -29,6 +30,44 @@ def register_device_backend(device_type: str, fill: Callable[..., bool]) -> None
     It returns False to fall back to generating on the CPU and copying.
     """
     _DEVICE_BACKENDS[device_type] = fill
+
+
+class InvalidArgument(RuntimeError, ValueError):
+    """A bad argument to a random function: torch raises RuntimeError for it (also a ValueError)."""
+
+
+class UnsupportedDtype(NotImplementedError, TypeError):
+    """A dtype the distribution does not support: torch raises NotImplementedError (also a
+    TypeError)."""
+
+
+def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``impl(*args, **kwargs)``, with ember's ValueErrors raised as torch raises them."""
+    try:
+        return impl(*args, **kwargs)
+    except (ValueError, OverflowError) as e:
+        if isinstance(e, (RuntimeError, CounterExhausted)):
+            raise
+        raise InvalidArgument(str(e)) from e
+
+
+_FLOAT_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_")
+
+
+def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
+    if method in _FLOAT_METHODS and not (t.is_floating_point() or t.is_complex()):
+        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
+    if method in ("random_", "random_range_") and t.is_complex():
+        if method == "random_":
+            raise UnsupportedDtype(f"random_: not implemented for {t.dtype}")
+        raise InvalidArgument("random_ with bounds handles only integral, floating-point and "
+                              f"boolean types, got {t.dtype}")
+    if method in ("normal_", "log_normal_") and len(params) == 2 and _isnan(params[1]):
+        raise InvalidArgument(f"{method} expects std >= 0.0, but found std nan")
+
+
+def _isnan(x: Any) -> bool:
+    return isinstance(x, float) and x != x
 
 
 def _ember(generator: Any) -> bool:
@@ -54,6 +93,7 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     if not fresh and t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation.")
+    _check_dtype(t, method, params)
     sampler = generator.sampler()
     if t.is_complex():
         fill_(torch.view_as_real(t), generator, method, *_complex_params(method, params))
@@ -90,10 +130,19 @@ def _size(args: Sequence[Any], kwargs: dict) -> tuple[int, ...]:
         size = args[0]
     else:
         size = args
-    dims = tuple(int(s) for s in size)
+    dims = tuple(_int_arg(s, "size") for s in size)
     if any(d < 0 for d in dims):
         raise RuntimeError(f"Trying to create tensor with negative dimension: {list(dims)}")
     return dims
+
+
+def _int_arg(v: Any, what: str) -> int:
+    """``v`` as an int where torch's parser takes an int (floats and bools are refused)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
+        return int(v)
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise TypeError(f"{what} must be an int, got {type(v).__name__} {v!r}")
+    return v.__index__()
 
 
 def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None = None
@@ -192,8 +241,12 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
         raise TypeError("randint() missing the high argument")
     if args:
         raise TypeError("randint(): too many positional arguments")
+    low, high = _int_arg(low, "randint(): low"), _int_arg(high, "randint(): high")
+    if low >= high:
+        raise InvalidArgument(f"random_ expects 'from' to be less than 'to', but got "
+                              f"from={low} >= to={high}")
     t, rg, fresh = _new(_size((), kwargs), kwargs, default_dtype=torch.int64)
-    return _finish(fill_(t, g, "random_range_", int(low), int(high), fresh=fresh), rg)
+    return _finish(fill_(t, g, "random_range_", low, high, fresh=fresh), rg)
 
 
 def _randint_like(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -207,13 +260,14 @@ def _randint_like(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tenso
         low, high = kwargs.pop("low", 0), args[0]
     else:
         raise TypeError("randint_like() missing the high argument")
+    low, high = _int_arg(low, "randint_like(): low"), _int_arg(high, "randint_like(): high")
     t, rg, fresh = _new_like(input, kwargs)
-    return _finish(fill_(t, g, "random_range_", int(low), int(high), fresh=fresh), rg)
+    return _finish(fill_(t, g, "random_range_", low, high, fresh=fresh), rg)
 
 
 def _randperm(n: int, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
-    n = int(n)
+    n = _int_arg(n, "randperm(): n")
     if n < 0:
         raise RuntimeError(f"randperm: n must be non-negative, got {n}")
     t, rg, fresh = _new((n,), kwargs, default_dtype=torch.int64)
@@ -240,9 +294,9 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     mt, st = isinstance(mean, torch.Tensor), isinstance(std, torch.Tensor)
     if not (mt or st):
         raise TypeError("normal(mean, std) with float mean and std needs a size")
-    if st and bool((std < 0).any()):
+    if st and bool(((std < 0) | std.isnan()).any()):
         raise RuntimeError("normal expects all elements of std >= 0.0")
-    if not st and float(std) < 0:
+    if not st and not float(std) >= 0:
         raise RuntimeError(f"normal expects std >= 0.0, but found std {float(std)}")
     ref = mean if mt else std
     shape = torch.broadcast_shapes(mean.shape if mt else (), std.shape if st else ())
@@ -363,7 +417,8 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
 
     def eager_impl(*args: Any, **kwargs: Any) -> Any:
         if not disabled:
-            disabled.append(torch.compiler.disable(functools.partial(_eager, impl)))
+            disabled.append(torch.compiler.disable(
+                functools.partial(_eager, lambda *a, **k: _call(impl, a, k))))
         return disabled[0](*args, **kwargs)
     @_wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -376,7 +431,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             return eager_impl(*args, **kwargs)
-        return impl(*args, **kwargs)
+        return _call(impl, args, kwargs)
 
     wrapper.__ember_original__ = original  # type: ignore[attr-defined]
     return wrapper
