@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -170,12 +171,67 @@ def _writer(args) -> ShardWriter:
     return ShardWriter(args.output, maxcount=args.maxcount, maxsize=args.maxsize, encode=False)
 
 
-def _write_all(args, urls: list[str], samples) -> int:
+def _stem(url: str | None) -> str:
+    name = os.path.basename(str(url or "input").rstrip("/"))
+    for suffix in (".tar.gz", ".tgz", ".tar"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)] or "input"
+    return name or "input"
+
+
+def _unique_samples(samples, join: bool):
+    """The samples with keys made unique: a sample split across the end of one input shard and
+    the start of the next (same key, no common field) is joined back into one; any other sample
+    whose key was already written is renamed ``<source shard stem>/<key>`` (keys that restart at
+    0 in every shard are common), so the output never holds two samples with one key."""
+    seen: set[str] = set()
+    held = None
+    for s in samples:
+        if held is not None:
+            if (join and s["__key__"] == held["__key__"] and s.get("__url__") != held.get("__url__")
+                    and not (set(s) & set(held)) - {"__key__", "__url__"}):
+                held = {**held, **{k: v for k, v in s.items() if k != "__url__"}}
+                continue
+            yield held
+        key = s["__key__"]
+        if key in seen:
+            new = f"{_stem(s.get('__url__'))}/{key}"
+            if new in seen:
+                raise ValueError(f"sample key {key!r} of {s.get('__url__')} occurs twice and "
+                                 f"{new!r} too; give the input samples unique keys")
+            s = {**s, "__key__": new}
+            key = new
+        seen.add(key)
+        held = s
+    if held is not None:
+        yield held
+
+
+def _check_written(shards: list[str], keys: list[str]) -> None:
+    """Read back every shard written and compare with what was written."""
+    got = [s["__key__"] for path in shards for s in iter_shard(path)]
+    if got != keys:
+        what = "different keys" if len(got) == len(keys) else "count differs"
+        raise ShardError(f"read back {len(got)} samples from the {len(shards)} shards written, "
+                         f"expected {len(keys)} ({what}); the output was removed")
+
+
+def _write_all(args, urls: list[str], samples, join: bool = False) -> int:
     _check_output(args.output, urls)
-    with _writer(args) as w:
-        for s in samples:
-            w.write({k: v for k, v in s.items() if k != "__url__"})
-    print(f"wrote {w.total} samples to {len(w.shards)} shards")
+    w = _writer(args)
+    keys: list[str] = []
+    try:
+        with w:
+            for s in _unique_samples(samples, join):
+                w.write({k: v for k, v in s.items() if k != "__url__"})
+                keys.append(s["__key__"])
+        _check_written(w.shards, keys)
+    except BaseException:
+        for path in w.shards:  # a failed command leaves no output shards at all
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        raise
+    print(f"wrote {w.total} samples to {len(w.shards)} shards (read back and checked)")
     return 0
 
 
@@ -183,7 +239,16 @@ def _reshard(args) -> int:
     urls = _urls(args)
     options = _options(args)
     with _progress(urls, args) as bar:
-        return _write_all(args, urls, (s for url in bar for s in iter_shard(url, options)))
+        return _write_all(args, urls, (s for url in bar for s in iter_shard(url, options)),
+                          join=True)
+
+
+def _gzipped(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"\x1f\x8b"
+    except OSError:
+        return False  # reported when the shard is read
 
 
 def _shuffle(args) -> int:
@@ -198,12 +263,17 @@ def _shuffle(args) -> int:
     if remote:
         raise ValueError(f"a global shuffle reads samples by byte offset, so it needs local "
                          f"shards, not {remote[0]}; use --buffer N to shuffle through a buffer")
+    compressed = [u for u in urls if _gzipped(local_path(u))]
+    if compressed:
+        raise ValueError(f"a global shuffle reads samples by byte offset, so it needs "
+                         f"uncompressed shards, not the gzipped {compressed[0]}; use --buffer N "
+                         "to shuffle through a buffer")
     with _progress(urls, args) as bar:
         spans = [(u, (s, e)) for u in bar for _, s, e in build_index(u)["samples"]]
     g = torch.Generator().manual_seed(args.seed)
     order = [spans[i] for i in torch.randperm(len(spans), generator=g).tolist()]
     with _progress(order, args, unit="sample") as bar:
-        return _write_all(args, urls, (read_sample(u, span) for u, span in bar))
+        return _write_all(args, urls, ({**read_sample(u, span), "__url__": u} for u, span in bar))
 
 
 def _index(args) -> int:

@@ -7,6 +7,7 @@ component picks the encoder; a trailing ``.gz`` gzips the encoded bytes).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib
 import io
@@ -131,6 +132,11 @@ class TarWriter:
 
     ``dest`` is a path or a binary file object (left open). ``compress=True`` (or a path ending in
     ``.gz``/``.tgz``) gzips the whole archive. ``mtime`` is stamped on every member.
+
+    A path is written under a temporary name (``dest + ".writing"``) and renamed to ``dest`` by
+    :meth:`close`; an exception inside ``with`` removes the temporary file instead, so a partial
+    archive never appears under ``dest``. A sample whose key equals the previous sample's key is
+    refused (readers would merge the two into one sample).
     """
 
     def __init__(self, dest: str | os.PathLike | BinaryIO, *, compress: bool | None = None,
@@ -140,8 +146,11 @@ class TarWriter:
             path = str(dest)
             if compress is None:
                 compress = path.endswith((".gz", ".tgz"))
-            self._raw: BinaryIO = open(path, "wb", buffering=1 << 20)  # noqa: SIM115
+            self.path: str | None = path
+            self._tmp = path + ".writing"
+            self._raw: BinaryIO = open(self._tmp, "wb", buffering=1 << 20)  # noqa: SIM115
         else:
+            self.path = None
             self._raw = dest  # type: ignore[assignment]
         self._gz = gzip.GzipFile(fileobj=self._raw, mode="wb", mtime=0) if compress else None
         self._out = self._gz if self._gz is not None else self._raw
@@ -152,6 +161,7 @@ class TarWriter:
         self.spans: list[list] = []  # [key, start, end] per sample, for the index
         self._mtime = _octal(int(mtime), 12)
         self._closed = False
+        self._last_key: str | None = None
 
     def _header(self, name: bytes, size: int, kind: bytes = b"0") -> bytes:
         if size >= 8**11:
@@ -195,6 +205,10 @@ class TarWriter:
         check_sample_names(key, fields)
         if not fields:
             raise ValueError(f"sample {key!r} has no fields to write")
+        if key == self._last_key:
+            raise ValueError(f"sample key {key!r} equals the previous sample's key; readers would "
+                             "merge the two into one sample (give each sample a unique key)")
+        self._last_key = key
         write = self._write
         start = self.offset
         for ext in fields:
@@ -227,14 +241,31 @@ class TarWriter:
             self._gz.close()
         if self._own:
             self._raw.close()
+            os.replace(self._tmp, self.path)
         else:
             self._raw.flush()
+
+    def abort(self) -> None:
+        """Stop writing without finishing the archive: a path's temporary file is removed (a
+        file object given to the writer is left as it is)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._own:
+            try:
+                self._raw.close()
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._tmp)
 
     def __enter__(self) -> TarWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.close()
 
 
 def shard_path(pattern: str, n: int) -> str:
@@ -253,7 +284,8 @@ class ShardWriter:
 
     ``pattern`` is a printf-style (``"out-%06d.tar"``) or ``str.format`` (``"out-{:06d}.tar"``)
     path. Each shard is written to a temporary name and renamed when complete, so a crash never
-    leaves a truncated shard under a final name. ``index=True`` writes ``.idx`` files alongside;
+    leaves a truncated shard under a final name; an exception inside ``with`` removes the shard
+    being written (finished shards stay). ``index=True`` writes ``.idx`` files alongside;
     ``post(path)`` is called for each finished shard.
     """
 
@@ -277,21 +309,22 @@ class ShardWriter:
         self.total = 0
         self._tw: TarWriter | None = None
         self._path: str | None = None
+        self._last_key: str | None = None
 
     def _open(self) -> None:
         self._path = shard_path(self.pattern, self.shard)
         self.shard += 1
         Path(self._path).parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self._path + ".writing"
-        compress = self._path.endswith((".gz", ".tgz"))
-        self._tw = TarWriter(self._tmp, compress=compress, mtime=self.mtime, encode=self.encode)
+        self._tw = TarWriter(self._path, mtime=self.mtime, encode=self.encode)
 
     def _finish(self) -> None:
         tw, self._tw = self._tw, None
         if tw is None:
             return
+        if tw.count == 0:  # only refused samples went to it: no empty shard
+            tw.abort()
+            return
         tw.close()
-        os.replace(self._tmp, self._path)
         path = self._path
         self.shards.append(path)
         if self.index:
@@ -313,15 +346,28 @@ class ShardWriter:
             self._open()
             tw = self._tw
         tw.encode = False
+        if tw.count == 0 and sample.get("__key__") == self._last_key:
+            # the previous sample ended the last shard: readers of the series would merge the two
+            tw._last_key = self._last_key
         tw.write(sample)
+        self._last_key = sample.get("__key__")
         self.total += 1
 
     def close(self) -> None:
         """Finish the last shard."""
         self._finish()
 
+    def abort(self) -> None:
+        """Remove the shard being written (shards already finished stay)."""
+        tw, self._tw = self._tw, None
+        if tw is not None:
+            tw.abort()
+
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.close()
