@@ -29,7 +29,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-__all__ = ["GCMCiphertext", "decrypt", "decrypt_gcm", "encrypt", "encrypt_gcm", "view_as"]
+__all__ = ["GCMCiphertext", "decrypt", "decrypt_gcm", "encrypt", "encrypt_gcm",
+           "gcm_associated_data", "view_as"]
 
 BLOCK = 16
 _CIPHERS = ("aes128",)
@@ -253,7 +254,8 @@ def decrypt(
 @dataclass(frozen=True)
 class GCMCiphertext:
     """An AES-GCM encrypted tensor: ciphertext bytes (uint8 tensor), 12-byte nonce, 16-byte tag,
-    plus the plaintext's dtype and shape so :func:`decrypt_gcm` can restore it."""
+    plus the plaintext's dtype and shape. dtype and shape are authenticated with the data
+    (see :func:`gcm_associated_data`): a relabelled ciphertext fails to decrypt."""
 
     ciphertext: torch.Tensor
     nonce: bytes
@@ -264,6 +266,27 @@ class GCMCiphertext:
     def __iter__(self):
         # unpacks as (ciphertext, nonce, tag)
         return iter((self.ciphertext, self.nonce, self.tag))
+
+
+_GCM_LABEL = b"ember.csprng/gcm/v1\x00"
+
+
+def gcm_associated_data(dtype: torch.dtype, shape: tuple[int, ...] | torch.Size,
+                        associated_data: bytes | None = None) -> bytes:
+    """The associated data that AES-GCM authenticates for a tensor of ``dtype`` and ``shape``.
+
+    ``"ember.csprng/gcm/v1" || 0x00 || str(dtype) (ASCII) || 0x00 || LE32(ndim) ||
+    LE64(size) per dimension || LE64(len(associated_data)) || associated_data``.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must not have negative sizes, got {dims}")
+    user = b"" if associated_data is None else associated_data
+    head = _GCM_LABEL + str(dtype).encode("ascii") + b"\x00" + len(dims).to_bytes(4, "little")
+    head += b"".join(d.to_bytes(8, "little") for d in dims)
+    return head + len(user).to_bytes(8, "little") + user
 
 
 def encrypt_gcm(
@@ -278,7 +301,8 @@ def encrypt_gcm(
     Runs on the host (OpenSSL): a CUDA input is copied to the CPU, and the ciphertext tensor is
     returned on the input's device. A fresh random 12-byte nonce is used unless one is given;
     never reuse a nonce with a key.
-    ``associated_data`` is authenticated but not encrypted.
+    ``associated_data`` is authenticated but not encrypted, and so are the input's dtype and
+    shape (the exact bytes are :func:`gcm_associated_data`).
     """
     input = _check_tensor("input", input)
     _check_device(input=input)
@@ -286,7 +310,8 @@ def encrypt_gcm(
     if nonce is None:
         nonce = os.urandom(12)
     nonce = _check_bytes("nonce", nonce, 12)
-    aad = None if associated_data is None else _check_bytes("associated_data", associated_data)
+    user = None if associated_data is None else _check_bytes("associated_data", associated_data)
+    aad = gcm_associated_data(input.dtype, tuple(input.shape), user)
     sealed = AESGCM(raw_key).encrypt(nonce, _raw_bytes("input", input).tobytes(), aad)
     body, tag = sealed[:-16], sealed[-16:]
     ct = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
@@ -299,21 +324,30 @@ def decrypt_gcm(
     nonce: bytes | None = None,
     tag: bytes | None = None,
     *,
+    dtype: torch.dtype | None = None,
+    shape: tuple[int, ...] | torch.Size | None = None,
     associated_data: bytes | None = None,
 ) -> torch.Tensor:
-    """Verify and decrypt; returns the plaintext bytes as a uint8 tensor.
+    """Verify and decrypt; returns the plaintext with its original dtype and shape.
 
-    Pass a :class:`GCMCiphertext`, or the ciphertext tensor with its nonce and tag. Runs on the
-    host; the plaintext comes back on the ciphertext's device. Raises
-    ValueError if the tag does not match (wrong key, nonce, associated data or tampered bytes).
-    Use :func:`view_as` to recover the original dtype and shape.
+    Pass a :class:`GCMCiphertext`, or the ciphertext tensor with its nonce, tag, ``dtype=`` and
+    ``shape=``. dtype and shape are authenticated: a ciphertext relabelled with another dtype or
+    shape fails like a tampered one. Runs on the host; the plaintext comes back on the
+    ciphertext's device. Raises ValueError if the tag does not match (wrong key, nonce, dtype,
+    shape, associated data or tampered bytes).
     """
     if isinstance(ciphertext, GCMCiphertext):
-        if nonce is not None or tag is not None:
+        if nonce is not None or tag is not None or dtype is not None or shape is not None:
             raise TypeError(
-                "decrypt_gcm: nonce and tag come from the GCMCiphertext; don't pass them separately"
+                "decrypt_gcm: nonce, tag, dtype and shape come from the GCMCiphertext; don't "
+                "pass them separately"
             )
-        ciphertext, nonce, tag = ciphertext.ciphertext, ciphertext.nonce, ciphertext.tag
+        ciphertext, nonce, tag, dtype, shape = (ciphertext.ciphertext, ciphertext.nonce,
+                                                ciphertext.tag, ciphertext.dtype,
+                                                ciphertext.shape)
+    elif dtype is None or shape is None:
+        raise TypeError("decrypt_gcm: dtype= and shape= are required with a ciphertext tensor "
+                        "(they are authenticated with the data)")
     ct = _check_tensor("ciphertext", ciphertext)
     _check_device(ciphertext=ct)
     if nonce is None or tag is None:
@@ -321,17 +355,18 @@ def decrypt_gcm(
     raw_key = _key_bytes(key, _GCM_KEY_BYTES)
     nonce = _check_bytes("nonce", nonce, 12)
     tag = _check_bytes("tag", tag, 16)
-    aad = None if associated_data is None else _check_bytes("associated_data", associated_data)
+    user = None if associated_data is None else _check_bytes("associated_data", associated_data)
+    aad = gcm_associated_data(dtype, tuple(shape), user)
     try:
         plain = AESGCM(raw_key).decrypt(nonce, _raw_bytes("ciphertext", ct).tobytes() + tag, aad)
     except InvalidTag:
         raise ValueError(
-            "decrypt_gcm: authentication failed (wrong key, nonce, tag or "
+            "decrypt_gcm: authentication failed (wrong key, nonce, tag, dtype, shape or "
             "associated data, or the ciphertext was modified)"
         ) from None
-    if not plain:
-        return torch.empty(0, dtype=torch.uint8, device=ct.device)
-    return torch.frombuffer(bytearray(plain), dtype=torch.uint8).to(ct.device)
+    data = (torch.frombuffer(bytearray(plain), dtype=torch.uint8) if plain
+            else torch.empty(0, dtype=torch.uint8))
+    return view_as(data, dtype, tuple(shape)).to(ct.device)
 
 
 def view_as(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
