@@ -18,6 +18,7 @@ from .generator import (
     supports_cuda,
 )
 from .stream import CounterExhausted
+from .torchcsprng import provide_torchcsprng
 
 _torch_adapter.install()
 
@@ -31,6 +32,7 @@ __all__ = [
     "decrypt",
     "encrypt",
     "is_generator",
+    "provide_torchcsprng",
     "supports_cuda",
 ]
 
