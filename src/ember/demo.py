@@ -155,7 +155,7 @@ def _read_all(urls: str, label_key: str = "cls") -> tuple[torch.Tensor, torch.Te
     ds = ShardDataset(urls, shuffle_shards=False).decode("torchl").to_tuple(f"png {label_key}")
     xs, ys = [], []
     for x, y in ShardLoader(ds.batched(256), num_workers=0):
-        xs.append(x)
+        xs.append(x.unsqueeze(1))  # "torchl" gives (H, W) images, as in webdataset
         ys.append(torch.as_tensor(y))
     return torch.cat(xs), torch.cat(ys).long()
 

@@ -98,7 +98,7 @@ def test_lossless_image_encoders(tmp_path, ext):
         assert dec[ext].shape == (3, 5, 7) and dec[ext].dtype == torch.uint8
         assert torch.equal(dec[ext], torch.from_numpy(img.copy()).permute(2, 0, 1))
         dec, _ = _roundtrip(tmp_path, sample, "torchl8")
-        assert dec[ext].shape == (1, 5, 7)
+        assert dec[ext].shape == (5, 7)  # (H, W), as webdataset gives it
         dec, _ = _roundtrip(tmp_path, sample, "torchrgb")
         assert dec[ext].dtype == torch.float32
         torch.testing.assert_close(dec[ext] * 255.0,
@@ -117,6 +117,8 @@ def test_image_encoder_inputs_tensor_float_and_pil(tmp_path):
     assert dec["jpg"].shape == (4, 6, 3)
     assert np.abs(dec["jpg"].astype(int) - img.astype(int)).max() <= 16  # lossy
     dec, _ = _roundtrip(tmp_path, sample, "pil")
+    assert dec["pgm"].mode == "RGB" and dec["pgm"].size == (6, 4)  # "pil" is RGB, as in webdataset
+    dec, _ = _roundtrip(tmp_path, sample, "pill")
     assert dec["pgm"].mode == "L" and dec["pgm"].size == (6, 4)
 
 

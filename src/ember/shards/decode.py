@@ -33,9 +33,10 @@ CBOR_EXTENSIONS = frozenset(("cbor",))
 #: default limit on width * height of decoded images (Pillow's own default)
 MAX_PIXELS = 89_478_485
 
-# spec -> (PIL mode, output kind, scale to float)
-IMAGE_SPECS: dict[str, tuple[str | None, str, bool]] = {
-    "pil": (None, "pil", False),
+# spec -> (PIL mode, output kind, scale to float); as in webdataset 1.0, every spec converts to its
+# mode ("pil" gives RGB) and the L specs give 2-D (H, W) arrays and tensors
+IMAGE_SPECS: dict[str, tuple[str, str, bool]] = {
+    "pil": ("RGB", "pil", False),
     "pilrgb": ("RGB", "pil", False),
     "pill": ("L", "pil", False),
     "pilrgba": ("RGBA", "pil", False),
@@ -50,6 +51,7 @@ IMAGE_SPECS: dict[str, tuple[str | None, str, bool]] = {
     "torchrgba8": ("RGBA", "torch", False),
     "torchl": ("L", "torch", True),
     "torchrgb": ("RGB", "torch", True),
+    "torch": ("RGB", "torch", True),
     "torchrgba": ("RGBA", "torch", True),
 }
 
@@ -77,20 +79,18 @@ def imagehandler(spec: str, *, max_pixels: int | None = MAX_PIXELS) -> Handler:
             if max_pixels is not None and w * h > max_pixels:
                 raise ValueError(f"image of {w}x{h} pixels exceeds max_pixels={max_pixels}")
             img.load()
-        if mode is not None and img.mode != mode:
+        if img.mode != mode:
             img = img.convert(mode)
         if kind == "pil":
             return img
         import numpy as np
 
         arr = np.array(img)  # a writable copy: torch.from_numpy warns on read-only arrays
-        if arr.ndim == 2:
-            arr = arr[:, :, None]
         if kind == "numpy":
             return (arr.astype(np.float32) / 255.0) if scale else arr
         import torch
 
-        t = torch.from_numpy(arr.transpose(2, 0, 1).copy())
+        t = torch.from_numpy(arr if arr.ndim == 2 else arr.transpose(2, 0, 1).copy())
         return t.float().div_(255.0) if scale else t
 
     return handler

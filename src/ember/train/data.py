@@ -47,7 +47,14 @@ def _dataset(urls: Sequence[str], *, seed: int, shuffle: int, grayscale: bool,
                       world_size=world_size, equalize=equalize, generator=generator)
     if shuffle > 0:
         ds = ds.shuffle(shuffle)
-    return ds.decode("torchl" if grayscale else "torchrgb").to_tuple(IMAGE_KEYS + " cls")
+    ds = ds.decode("torchl" if grayscale else "torchrgb").to_tuple(IMAGE_KEYS + " cls")
+    # "torchl" gives (H, W) images, as in webdataset: add the channel axis models expect
+    return ds.map(_channel_axis) if grayscale else ds
+
+
+def _channel_axis(item: tuple) -> tuple:
+    image, label = item
+    return image.unsqueeze(0), label
 
 
 def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int = 0,
