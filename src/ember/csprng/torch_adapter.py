@@ -414,6 +414,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     # The disabled wrapper is made on first use: torch.compiler.disable imports torch._dynamo,
     # which costs seconds at import time.
     disabled: list[Callable[..., Any]] = []
+    name = getattr(original, "__name__", "random function")
 
     def eager_impl(*args: Any, **kwargs: Any) -> Any:
         if not disabled:
@@ -431,6 +432,8 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             return eager_impl(*args, **kwargs)
+        if _functorch.peek_interpreter_stack() is not None:
+            return _under_transform(name, impl, args, kwargs)
         return _call(impl, args, kwargs)
 
     wrapper.__ember_original__ = original  # type: ignore[attr-defined]
@@ -464,6 +467,42 @@ def install() -> None:
 
 
 _INHERITED = object()
+_functorch = torch._C._functorch
+_VMAP_ERROR = ("vmap: called random operation while in randomness error mode. Please either use "
+               "the 'same' or 'different' randomness flags on vmap or perform the randomness "
+               "operation out of vmap")
+
+
+def _under_transform(name: str, impl: Callable[..., Any], args: Any, kwargs: dict) -> Any:
+    """A draw inside a torch.func transform: vmap's randomness modes, as torch's generator has them.
+
+    ``"error"`` raises as torch does; ``"same"`` draws once for all batch elements; ``"different"``
+    draws one independent result per batch element (of the innermost vmap) and batches them.
+    Draws that take batched tensors, and in-place draws with ``"different"``, raise.
+    """
+    from torch._functorch.pyfunctorch import TransformType, retrieve_current_functorch_interpreter
+
+    interp = retrieve_current_functorch_interpreter()
+    if interp.key() != TransformType.Vmap:
+        return _call(impl, args, kwargs)
+    randomness = interp.randomness()
+    if randomness == "error":
+        raise RuntimeError(_VMAP_ERROR)
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if any(_functorch.is_batchedtensor(t) for t in tensors):
+        raise RuntimeError(
+            f"ember.csprng: {name} with a batched tensor argument inside torch.vmap is not "
+            "supported; draw with factory functions (torch.rand/randn/randint/randperm/normal "
+            "with a size) inside vmap, or draw outside it")
+    if randomness == "same":
+        return _call(impl, args, kwargs)
+    if name.endswith("_") or "out" in kwargs:
+        raise RuntimeError(
+            "vmap: Cannot ask for different inplace randomness on an unbatched tensor. This "
+            "will appear like same randomness. If this is necessary for your usage, please file "
+            f"an issue with functorch. (ember.csprng: {name})")
+    draws = [_call(impl, args, dict(kwargs)) for _ in range(interp.batch_size())]
+    return _functorch._add_batch_dim(torch.stack(draws), 0, interp.level())
 
 
 try:

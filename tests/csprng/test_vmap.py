@@ -1,0 +1,64 @@
+"""torch.vmap's randomness modes with ember generators, side by side with torch.Generator."""
+
+import pytest
+import torch
+
+import ember.csprng as csprng
+
+B = 4
+
+
+def _draws(g):
+    return {
+        "randn": lambda x: x + torch.randn(3, generator=g),
+        "rand": lambda x: x + torch.rand(3, generator=g),
+        "randint": lambda x: x + torch.randint(0, 2**30, (3,), generator=g),
+        "randperm": lambda x: x + torch.randperm(3, generator=g),
+        "normal": lambda x: x + torch.normal(0.0, 1.0, (3,), generator=g),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_draws(None)))
+def test_different_gives_independent_rows_and_same_shares_them(name):
+    for g in (torch.Generator().manual_seed(1), csprng.create_generator(1)):
+        x = torch.zeros(B, 3, dtype=torch.int64 if name in ("randint", "randperm") else torch.float32)
+        diff = torch.vmap(_draws(g)[name], randomness="different")(x)
+        same = torch.vmap(_draws(g)[name], randomness="same")(x)
+        assert diff.shape == same.shape == (B, 3)
+        assert all(torch.equal(same[0], same[i]) for i in range(B)), (type(g), name)
+        if name != "randperm":  # 3! = 6 permutations: rows of a few may repeat
+            assert len({tuple(r.tolist()) for r in diff}) == B, (type(g), name)
+
+
+def test_different_rows_are_the_generators_next_draws():
+    g = csprng.create_generator(5)
+    rows = torch.vmap(lambda x: x + torch.randn(3, generator=g), randomness="different")(
+        torch.zeros(B, 3))
+    ref = csprng.create_generator(5)
+    assert torch.equal(rows, torch.stack([torch.randn(3, generator=ref) for _ in range(B)]))
+
+
+@pytest.mark.parametrize("name", sorted(_draws(None)))
+def test_error_mode_raises_like_torch(name):
+    for g in (torch.Generator().manual_seed(1), csprng.create_generator(1)):
+        with pytest.raises(RuntimeError, match="randomness error mode"):
+            torch.vmap(_draws(g)[name], randomness="error")(torch.zeros(B, 3))
+
+
+def test_in_place_different_on_an_unbatched_tensor_raises_like_torch():
+    for g in (torch.Generator().manual_seed(1), csprng.create_generator(1)):
+        with pytest.raises(RuntimeError, match="different inplace randomness"):
+            torch.vmap(lambda x: x + torch.empty(3).normal_(generator=g),
+                       randomness="different")(torch.zeros(B, 3))
+
+
+def test_batched_tensor_arguments_raise_a_clear_error():
+    g = csprng.create_generator(1)
+    with pytest.raises(RuntimeError, match="batched tensor argument inside torch.vmap"):
+        torch.vmap(lambda p: torch.bernoulli(p, generator=g), randomness="different")(
+            torch.full((B, 3), 0.5))
+
+
+def test_outside_vmap_nothing_changes():
+    a, b = csprng.create_generator(2), csprng.create_generator(2)
+    assert torch.equal(torch.randn(5, generator=a), torch.randn(5, generator=b))
