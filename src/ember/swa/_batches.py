@@ -44,12 +44,28 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
 
 
 def strip_compile_prefix(name: str) -> str:
-    """Return a parameter/buffer name without the ``_orig_mod.`` parts torch.compile adds."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    """Return a parameter/buffer name without wrapper prefixes.
+
+    Removes every ``_orig_mod.`` part (``torch.compile``, also of a submodule) and the leading
+    ``module.`` parts of ``DistributedDataParallel``/``DataParallel``, nested in any order
+    (``module._orig_mod.x``, ``_orig_mod.module.x``).
+    """
+    parts = [part for part in name.split(".") if part != "_orig_mod"]
+    while len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _is_data_parallel(model: nn.Module) -> bool:
+    return isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """Return the original module of a ``torch.compile``'d model (the model itself otherwise)."""
-    while hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-        model = model._orig_mod
-    return model
+    """Return the module inside ``torch.compile``/DDP/``DataParallel`` wrappers, nested."""
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        elif _is_data_parallel(model):
+            model = model.module
+        else:
+            return model

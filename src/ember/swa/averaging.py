@@ -2,8 +2,9 @@
 
 ``AveragedModel``, ``SWALR`` and the averaging-function helpers are torch's own, re-exported.
 ``EMA`` and ``SWA`` add what they lack: averaging into a copy you provide (FSDP, compiled models)
-instead of a deep copy, matching by name with the ``_orig_mod.`` prefix of ``torch.compile``
-ignored, integer buffers copied rather than averaged, foreach updates, and an EMA decay warm-up.
+instead of a deep copy, matching by name with the ``_orig_mod.`` prefix of ``torch.compile`` and
+the ``module.`` prefix of DDP/``DataParallel`` ignored (nested, on either side), tensors looked up
+on every update (so the copy may be moved with ``.to()``/``.half()``/``.cuda()``), integer buffers copied rather than averaged, foreach updates, and an EMA decay warm-up.
 """
 
 from __future__ import annotations
@@ -55,10 +56,16 @@ def ema_decay(step: int, decay: float = 0.9999, warmup: bool = True) -> float:
 def _named_state(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     """Normalised name -> (tensor, is_parameter) for every parameter and buffer of ``model``."""
     out: dict[str, tuple[Tensor, bool]] = {}
-    for name, p in model.named_parameters():
-        out[strip_compile_prefix(name)] = (p, True)
-    for name, b in model.named_buffers():
-        out[strip_compile_prefix(name)] = (b, False)
+    items = [(n, p, True) for n, p in model.named_parameters()]
+    items += [(n, b, False) for n, b in model.named_buffers()]
+    for name, t, is_param in items:
+        key = strip_compile_prefix(name)
+        if key in out:
+            raise ValueError(
+                f"two tensors of the model have the name {key!r} once wrapper prefixes "
+                "(module., _orig_mod.) are removed; cannot match them by name"
+            )
+        out[key] = (t, is_param)
     return out
 
 
@@ -84,7 +91,6 @@ class _Averager:
         self.use_buffers = use_buffers
         self.foreach = foreach
         self.n_updates = 0
-        self._target = _named_state(target)
         self._pairs(model)  # fail at construction on a mismatched target
         with torch.no_grad():
             for dst, src, _ in self._pairs(model):
@@ -92,16 +98,18 @@ class _Averager:
 
     def _pairs(self, model: nn.Module) -> list[tuple[Tensor, Tensor, bool]]:
         """(target tensor, source tensor, average it?) for every name, checked for a match."""
+        # looked up on every call: the copy may have been moved (.to(), .half(), .cuda()) since
+        target = _named_state(self.module)
         source = _named_state(model)
-        missing = [n for n in self._target if n not in source]
-        extra = [n for n in source if n not in self._target]
+        missing = [n for n in target if n not in source]
+        extra = [n for n in source if n not in target]
         if missing or extra:
             raise ValueError(
                 "model does not match the averaged copy: "
                 f"missing from model {missing[:5]}, not in the averaged copy {extra[:5]}"
             )
         pairs = []
-        for name, (dst, is_param) in self._target.items():
+        for name, (dst, is_param) in target.items():
             src = source[name][0]
             if src.shape != dst.shape:
                 raise ValueError(

@@ -25,6 +25,9 @@ __all__ = [
 
 Binning = Literal["width", "mass"]
 
+# float32 softmax rows sum to 1 within a few ulps times C; 1e-3 still rejects logits or unnormalised scores
+_ROW_SUM_TOL = 1e-3
+
 
 def _check(probs: Any, labels: Any | None = None) -> tuple[Tensor, Tensor | None]:
     p = torch.as_tensor(probs)
@@ -33,6 +36,17 @@ def _check(probs: Any, labels: Any | None = None) -> tuple[Tensor, Tensor | None
     if not p.is_floating_point():
         raise ValueError(f"probs must be floating point, got {p.dtype}")
     p = p.to(torch.float64)
+    if not torch.isfinite(p).all() or (p < 0).any():
+        raise ValueError(
+            "probs must be finite and non-negative (they look like logits); "
+            "pass probabilities, e.g. softmax(logits)"
+        )
+    worst = (p.sum(dim=1) - 1.0).abs().max().item()
+    if worst > _ROW_SUM_TOL:
+        raise ValueError(
+            f"rows of probs must sum to 1 (within {_ROW_SUM_TOL}), but one is off by {worst:.3g}; "
+            "pass probabilities, e.g. softmax(logits)"
+        )
     if labels is None:
         return p, None
     y = torch.as_tensor(labels)
@@ -90,7 +104,12 @@ def calibration_bins(
 
     ``binning="width"``: bins ``(i/n, (i+1)/n]`` of equal width (confidence 0 goes to the first).
     ``binning="mass"``: rows sorted by confidence and split into bins of equal size (sizes differ
-    by at most one, larger bins first, as ``numpy.array_split``).
+    by at most one, larger bins first, as ``numpy.array_split``). Tie rule: rows of equal
+    confidence are ordered incorrect before correct, so the bins (and the ECE) depend only on the
+    set of (confidence, correct) pairs, never on the order of the rows.
+
+    ``probs`` must be probabilities: non-negative, rows summing to 1 within 1e-3 (a ``ValueError``
+    says so otherwise; pass ``softmax(logits)``).
     """
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be an integer >= 1, got {n_bins!r}")
@@ -102,7 +121,9 @@ def calibration_bins(
         groups = [torch.nonzero(idx == b).squeeze(1) for b in range(n_bins)]
         edges = [(b / n_bins, (b + 1) / n_bins) for b in range(n_bins)]
     elif binning == "mass":
-        order = torch.argsort(conf, stable=True)
+        # tie rule: sort by (confidence, correct) so that the row order never matters
+        by_correct = torch.argsort(correct, stable=True)
+        order = by_correct[torch.argsort(conf[by_correct], stable=True)]
         groups = list(torch.tensor_split(order, n_bins))
         edges = [
             (conf[g].min().item(), conf[g].max().item()) if len(g) else (0.0, 0.0) for g in groups
