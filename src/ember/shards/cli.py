@@ -1,10 +1,12 @@
-"""The ``ember shards`` command: ls, cat, stats, verify, split, merge, shuffle, index."""
+"""The ``ember shards`` command: ls, cat, stats, verify, split, merge, shuffle, index, create."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shlex
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -13,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from ember.shards.dataset import ShardDataset, iter_shard
+from ember.shards.decode import IMAGE_EXTENSIONS
 from ember.shards.errors import ShardError
 from ember.shards.index import (
     build_index,
@@ -167,8 +170,31 @@ def _check_output(pattern: str, urls: list[str]) -> None:
                              "the output somewhere else")
 
 
+def _post(command: str | None) -> Callable[[str], None] | None:
+    """``--post CMD``: run CMD (no shell; ``{}`` replaced by the shard's path, else the path is
+    appended) on each finished shard; a failure stops the command."""
+    if not command:
+        return None
+    argv = shlex.split(command)
+    if not argv:
+        raise ValueError("--post needs a command")
+
+    def run(path: str) -> None:
+        args = [a.replace("{}", path) for a in argv] if any("{}" in a for a in argv) \
+            else [*argv, path]
+        try:
+            done = subprocess.run(args, check=False)
+        except OSError as exc:
+            raise ValueError(f"--post command {argv[0]!r} could not run on {path}: {exc}") from None
+        if done.returncode != 0:
+            raise ValueError(f"--post command failed (exit status {done.returncode}) on {path}")
+
+    return run
+
+
 def _writer(args) -> ShardWriter:
-    return ShardWriter(args.output, maxcount=args.maxcount, maxsize=args.maxsize, encode=False)
+    return ShardWriter(args.output, maxcount=args.maxcount, maxsize=args.maxsize, encode=False,
+                       post=_post(getattr(args, "post", None)))
 
 
 def _stem(url: str | None) -> str:
@@ -276,6 +302,71 @@ def _shuffle(args) -> int:
         return _write_all(args, urls, ({**read_sample(u, span), "__url__": u} for u, span in bar))
 
 
+def _folder_samples(root: str, classes: list[str]):
+    for index, name in enumerate(classes):
+        folder = os.path.join(root, name)
+        for fname in sorted(os.listdir(folder)):
+            path = os.path.join(folder, fname)
+            stem, dot, ext = fname.rpartition(".")
+            if not dot or ext.lower() not in IMAGE_EXTENSIONS or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                data = f.read()
+            yield {"__key__": f"{name}/{stem}", ext.lower(): data, "cls": str(index).encode()}
+
+
+def _list_samples(list_file: str):
+    """Files named in ``list_file`` (one relative path a line); files sharing a path up to the
+    first dot of their name form one sample, in the order of the list."""
+    base = os.path.dirname(os.path.abspath(list_file))
+    with open(list_file, encoding="utf-8") as f:
+        names = [line.strip() for line in f if line.strip()]
+    current: dict | None = None
+    for name in names:
+        rel = name.replace("\\", "/")
+        if os.path.isabs(name) or rel.startswith("../") or "/../" in rel:
+            raise ValueError(f"{list_file}: {name!r} must be a path relative to the list's folder "
+                             "(it becomes the sample's key)")
+        folder, _, fname = rel.rpartition("/")
+        stem, dot, ext = fname.partition(".")
+        if not dot or not stem:
+            raise ValueError(f"{list_file}: {name!r} has no extension to name its field")
+        key = f"{folder}/{stem}" if folder else stem
+        with open(os.path.join(base, name), "rb") as f:
+            data = f.read()
+        if current is not None and current["__key__"] == key:
+            if ext in current:
+                raise ValueError(f"{list_file}: {name!r} is listed twice")
+            current[ext] = data
+            continue
+        if current is not None:
+            yield current
+        current = {"__key__": key, ext: data}
+    if current is not None:
+        yield current
+
+
+def _create(args) -> int:
+    src = args.source
+    if args.list:
+        samples = _list_samples(src)
+    else:
+        if not os.path.isdir(src):
+            raise ValueError(f"{src} is not a folder (ImageFolder layout: one subfolder per "
+                             "class); use --list for a file of paths")
+        classes = sorted(e for e in os.listdir(src) if os.path.isdir(os.path.join(src, e)))
+        if not classes:
+            raise ValueError(f"{src} has no class subfolders (ImageFolder layout)")
+        out_dir = os.path.dirname(os.path.abspath(shard_path(args.output, 0)))
+        os.makedirs(out_dir, exist_ok=True)
+        classes_path = os.path.join(out_dir, "classes.json")
+        with open(classes_path, "w", encoding="utf-8") as f:
+            json.dump({"classes": classes}, f)
+        samples = _folder_samples(src, classes)
+    with _progress(samples, args, unit="sample") as bar:
+        return _write_all(args, [], bar)
+
+
 def _index(args) -> int:
     with _progress(_urls(args), args) as bar:
         for url in bar:
@@ -313,9 +404,16 @@ def register(subparsers) -> None:
                           ("split", _reshard, "re-shard into smaller shards"),
                           ("merge", _reshard, "re-shard into fewer shards"),
                           ("shuffle", _shuffle, "shuffle samples into new shards"),
-                          ("index", _index, "write .idx files next to local shards")]:
+                          ("index", _index, "write .idx files next to local shards"),
+                          ("create", _create, "write shards from an image folder (ImageFolder "
+                           "layout) or a list of files")]:
         q = sub.add_parser(name, help=hlp)
-        q.add_argument("urls", nargs="+", help="shard paths or URLs; brace patterns expand")
+        if name == "create":
+            q.add_argument("source", help="a folder with one subfolder per class, or with --list "
+                           "a text file of relative paths")
+            q.add_argument("--list", action="store_true", help="SOURCE is a file list")
+        else:
+            q.add_argument("urls", nargs="+", help="shard paths or URLs; brace patterns expand")
         q.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
         if name in ("cat", "stats"):
             q.add_argument("--json", action="store_true")
@@ -323,10 +421,12 @@ def register(subparsers) -> None:
             q.add_argument("-n", type=int, default=None, help="at most N samples")
             q.add_argument("--values", action="store_true", help="print values, not sizes")
         q.add_argument("--allow-pipe", action="store_true", help="allow pipe:CMD URLs")
-        if name in ("split", "merge", "shuffle"):
+        if name in ("split", "merge", "shuffle", "create"):
             q.add_argument("-o", "--output", required=True, help="pattern, e.g. out-%%06d.tar")
             q.add_argument("--maxcount", type=int, default=100_000, help="samples per shard")
             q.add_argument("--maxsize", type=float, default=3e9, help="bytes per shard")
+            q.add_argument("--post", default=None, help="command run on each finished shard "
+                           "({} is its path; e.g. 'aws s3 cp {} s3://bucket/'); a failure stops")
         if name == "shuffle":
             q.add_argument("--seed", type=int, default=0)
             q.add_argument("--buffer", type=int, default=0,

@@ -1,0 +1,99 @@
+"""``ember shards create`` from an image folder and a file list, ``--post`` (issue 15); round
+trips through webdataset."""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import sys
+
+import numpy as np
+import pytest
+
+from ember.cli import main
+from ember.shards import ShardDataset
+from ember.shards.urls import expand_urls
+
+wds = pytest.importorskip("webdataset")
+Image = pytest.importorskip("PIL.Image")
+
+
+def _png(value: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((4, 5, 3), value, dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    root = tmp_path / "train"
+    expected = {}
+    for name, count in [("dog", 4), ("cat", 3), ("zebra", 2)]:
+        (root / name).mkdir(parents=True)
+        for j in range(count):
+            (root / name / f"img{j}.png").write_bytes(_png(10 * j))
+            expected[f"{name}/img{j}"] = name
+    (root / "cat" / "notes.md").write_text("not an image")
+    return root, expected
+
+
+def test_create_from_image_folder_reads_back_in_webdataset(image_folder, tmp_path, capsys):
+    root, expected = image_folder
+    out = tmp_path / "out" / "train-%03d.tar"
+    assert main(["shards", "create", str(root), "-o", str(out), "--maxcount", "4", "-q"]) == 0
+    assert "wrote 9 samples to 3 shards" in capsys.readouterr().out
+    classes = json.loads((tmp_path / "out" / "classes.json").read_text())["classes"]
+    assert classes == ["cat", "dog", "zebra"]  # sorted, as torchvision's ImageFolder
+    urls = expand_urls(str(tmp_path / "out" / "train-{000..002}.tar"))
+    got = list(wds.WebDataset(urls, shardshuffle=False).decode("rgb8").to_tuple("__key__", "png",
+                                                                                 "cls"))
+    assert {k: classes[c] for k, _, c in got} == expected
+    assert all(img.shape == (4, 5, 3) for _, img, _ in got)
+    # and ember reads the same
+    ours = list(ShardDataset(urls, shuffle_shards=False).decode().to_tuple("__key__ cls"))
+    assert ours == [(k, c) for k, _, c in got]
+
+
+def test_create_from_file_list(tmp_path, capsys):
+    for name in ["a/x.jpg", "a/x.json", "b/y.jpg"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / "files.txt").write_text("a/x.jpg\na/x.json\nb/y.jpg\n")
+    out = tmp_path / "o-%02d.tar"
+    assert main(["shards", "create", "--list", str(tmp_path / "files.txt"), "-o", str(out),
+                 "-q"]) == 0
+    got = list(wds.WebDataset(str(tmp_path / "o-00.tar"), shardshuffle=False))
+    assert [(s["__key__"], sorted(k for k in s if k[:2] != "__")) for s in got] == [
+        ("a/x", ["jpg", "json"]), ("b/y", ["jpg"])]
+    assert got[0]["json"] == b"a/x.json"
+
+
+def test_create_refuses_a_folder_without_classes(tmp_path, capsys):
+    (tmp_path / "flat").mkdir()
+    assert main(["shards", "create", str(tmp_path / "flat"), "-o", str(tmp_path / "o-%02d.tar"),
+                 "-q"]) == 2
+    assert "ImageFolder" in capsys.readouterr().err
+
+
+def test_post_runs_on_each_finished_shard(image_folder, tmp_path, capsys):
+    root, _ = image_folder
+    log = tmp_path / "post.log"
+    script = f"import sys; open({str(log)!r}, 'a').write(sys.argv[1] + '\\n')"
+    post = [sys.executable, "-c", script, "{}"]
+    cmd = shlex.join(post)
+    out = tmp_path / "out" / "s-%02d.tar"
+    assert main(["shards", "create", str(root), "-o", str(out), "--maxcount", "5", "-q",
+                 "--post", cmd]) == 0
+    assert log.read_text().splitlines() == [str(tmp_path / "out" / "s-00.tar"),
+                                            str(tmp_path / "out" / "s-01.tar")]
+
+
+def test_failing_post_exits_non_zero_and_removes_the_output(image_folder, tmp_path, capsys):
+    root, _ = image_folder
+    cmd = shlex.join([sys.executable, "-c", "import sys; sys.exit(3)"])
+    out = tmp_path / "out" / "s-%02d.tar"
+    assert main(["shards", "create", str(root), "-o", str(out), "--maxcount", "5", "-q",
+                 "--post", cmd]) == 2
+    assert "exit status 3" in capsys.readouterr().err
+    assert not list((tmp_path / "out").glob("s-*"))
