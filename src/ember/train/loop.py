@@ -399,6 +399,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             if in_swa_phase and swalr is None:
                 swalr = _make_swalr(optimizer, config)
             net.train()
+            # the rate this epoch trains with: schedulers step at its end (log it, not the next one)
+            epoch_lr = _lr(optimizer)
             bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
             for batch in _batches(train_loader):
                 x, y = _split_batch(batch, device)
@@ -449,7 +451,7 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             elif scheduler is not None:
                 scheduler.step()
             record = {"epoch": epoch, "train_loss": progress.epoch_loss_sum / max(batches, 1),
-                      "batches": batches, "steps": progress.step, "lr": _lr(optimizer),
+                      "batches": batches, "steps": progress.step, "lr": epoch_lr,
                       "skipped_steps": progress.skipped_steps, "swa": in_swa_phase}
             if eval_loader is not None and world.is_main:
                 record.update({f"eval_{k}": v for k, v in

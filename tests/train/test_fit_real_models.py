@@ -1,0 +1,55 @@
+"""fit on a BatchNorm + dropout model: it finishes, resumes with resume="auto", logs the rate used."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ember.train import TrainConfig, fit, weights_digest
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 6 * 6, 8), nn.BatchNorm1d(8),
+                         nn.Dropout(0.2), nn.Linear(8, 3))
+
+
+def _loader(n_batches: int = 4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 1, 6, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(n_batches)]
+
+
+def test_weights_digest_of_a_batchnorm_model():
+    a, b = _model(), _model()
+    assert weights_digest(a) == weights_digest(b)
+    b[1].num_batches_tracked += 1  # the 0-dim integer buffer is part of the digest
+    assert weights_digest(a) != weights_digest(b)
+
+
+def test_fit_of_a_batchnorm_model_finishes_and_resumes_auto(tmp_path):
+    cfg = dict(epochs=2, swa_start=1, swa_lr=0.01, swag_rank=2, progress=False,
+               checkpoint_dir=tmp_path / "ckpt")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    result = fit(model, opt, _loader(), TrainConfig(**cfg), bn_loader=_loader(2))
+    assert result.steps == 8
+    assert int(result.model[1].num_batches_tracked) == 8
+    # a finished run resumed with resume="auto" loads its last checkpoint and trains nothing more
+    model2 = _model()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
+    again = fit(model2, opt2, _loader(), TrainConfig(**cfg, resume="auto"), bn_loader=_loader(2))
+    assert again.steps == 8
+    assert weights_digest(again.model) == weights_digest(result.model)
+
+
+def test_epoch_records_log_the_rate_the_epoch_trained_with():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    seen: list[float] = []
+    result = fit(model, opt, _loader(2), TrainConfig(epochs=3, swag_rank=None, progress=False),
+                 scheduler=sched, on_step=lambda step, rec: seen.append(rec["lr"]))
+    assert [r["lr"] for r in result.history] == [0.1, 0.05, 0.025]
+    assert seen[::2] == [0.1, 0.05, 0.025]  # the step records agree
