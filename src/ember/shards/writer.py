@@ -13,6 +13,7 @@ import importlib
 import io
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -287,11 +288,20 @@ class ShardWriter:
     leaves a truncated shard under a final name; an exception inside ``with`` removes the shard
     being written (finished shards stay). ``index=True`` writes ``.idx`` files alongside;
     ``post(path)`` is called for each finished shard.
+
+    ``opener(path)`` (as in webdataset) returns a binary file object to write shard ``path`` to
+    (any file-like or remote target); the writer closes it when the shard is finished. With an
+    opener there is no temporary name: an aborted shard is closed where it is, and ``index`` needs
+    local files. ``verbose=1`` prints a line to stderr per shard started.
     """
 
     def __init__(self, pattern: str, maxcount: int = 100_000, maxsize: float = 3e9, *,
                  start_shard: int = 0, post: Callable[[str], Any] | None = None,
-                 index: bool = False, mtime: int = 0, encode: bool = True):
+                 index: bool = False, mtime: int = 0, encode: bool = True, verbose: int = 0,
+                 opener: Callable[[str], BinaryIO] | None = None):
+        if opener is not None and index:
+            raise ValueError("index=True writes .idx files next to local shards; it cannot be "
+                             "used with opener=")
         if maxcount < 1 or maxsize < 1:
             raise ValueError(f"expected maxcount >= 1 and maxsize >= 1, got {maxcount}, {maxsize}")
         if shard_path(pattern, 0) == shard_path(pattern, 1):
@@ -305,6 +315,9 @@ class ShardWriter:
         self.index = index
         self.mtime = mtime
         self.encode = encode
+        self.verbose = verbose
+        self.opener = opener
+        self._stream: BinaryIO | None = None
         self.shards: list[str] = []
         self.total = 0
         self._tw: TarWriter | None = None
@@ -314,6 +327,16 @@ class ShardWriter:
     def _open(self) -> None:
         self._path = shard_path(self.pattern, self.shard)
         self.shard += 1
+        if self.verbose:
+            print(f"# writing {self._path} ({self.total} samples so far)", file=sys.stderr)
+        if self.opener is not None:
+            self._stream = self.opener(self._path)
+            if not hasattr(self._stream, "write"):
+                raise TypeError(f"opener({self._path!r}) returned {type(self._stream).__name__}, "
+                                "not a binary file object")
+            self._tw = TarWriter(self._stream, compress=self._path.endswith((".gz", ".tgz")),
+                                 mtime=self.mtime, encode=self.encode)
+            return
         Path(self._path).parent.mkdir(parents=True, exist_ok=True)
         self._tw = TarWriter(self._path, mtime=self.mtime, encode=self.encode)
 
@@ -321,10 +344,11 @@ class ShardWriter:
         tw, self._tw = self._tw, None
         if tw is None:
             return
-        if tw.count == 0:  # only refused samples went to it: no empty shard
+        if tw.count == 0 and self.opener is None:  # only refused samples went to it: no empty shard
             tw.abort()
             return
         tw.close()
+        self._close_stream()
         path = self._path
         self.shards.append(path)
         if self.index:
@@ -362,6 +386,12 @@ class ShardWriter:
         tw, self._tw = self._tw, None
         if tw is not None:
             tw.abort()
+            self._close_stream()
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
 
     def __enter__(self) -> ShardWriter:
         return self
