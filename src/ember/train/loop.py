@@ -35,6 +35,7 @@ from ember.train.errors import ConfigError
 from ember.train.metrics_log import MetricsLog
 from ember.train.noise import GaussianGradientNoise
 from ember.train.precision import PRECISIONS, Precision
+from ember.train.privacy import PrivacyConfig
 
 __all__ = ["TrainConfig", "TrainResult", "evaluate", "fit", "predict"]
 
@@ -111,11 +112,10 @@ class TrainConfig:
         elif self.swa_lr is not None:
             raise ConfigError("swa_lr is set but swa_start is None (no SWA phase)")
         if self.noise_multiplier is not None:
-            if not self.noise_multiplier > 0:
-                raise ConfigError(f"noise_multiplier must be > 0, got {self.noise_multiplier!r}")
-            if self.max_grad_norm is None:
-                raise ConfigError("noise_multiplier needs max_grad_norm: the noise is calibrated "
-                                  "to the clipping bound")
+            raise ConfigError("TrainConfig.noise_multiplier was removed: it clipped the batch "
+                              "gradient and kept no privacy budget, so it was not differential "
+                              "privacy. Use fit(..., privacy=PrivacyConfig(epsilon=..., "
+                              "delta=..., max_grad_norm=...)) for DP-SGD (docs/train.md)")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ConfigError("checkpoint_every needs checkpoint_dir")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
@@ -152,6 +152,8 @@ class TrainResult:
     generator: torch.Generator  # this rank's ember.csprng substream
     rank_digests: list[str]  # weights_digest of the model on every rank (all equal under DDP)
     checkpoint: Path | None
+    epsilon: float | None = None  # with privacy: the budget spent (at PrivacyConfig.delta)
+    noise_multiplier: float | None = None  # with privacy: the DP-SGD noise multiplier used
 
 
 def _split_batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +332,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         scheduler: LRScheduler | None = None, eval_loader: Iterable | None = None,
         bn_loader: Iterable | None = None,
-        on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
+        on_step: Callable[[int, dict], None] | None = None,
+        privacy: PrivacyConfig | None = None) -> TrainResult:
     """Train ``model`` on ``(inputs, targets)`` batches from ``train_loader``.
 
     ``loss_fn(logits, targets)`` defaults to cross-entropy (logits are cast to float32 first).
@@ -342,6 +345,9 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
     Run under ``torchrun`` to train with DistributedDataParallel (gloo on CPU): each rank must
     read its own part of the data with the same number of batches (``ShardDataset(...,
     equalize="drop")``). A :class:`~ember.shards.ShardLoader` makes mid-epoch checkpoints exact.
+
+    ``privacy`` trains with DP-SGD through Opacus (see :mod:`ember.train.privacy`): each epoch's
+    record and the result carry the ``epsilon`` spent.
     """
     config = config or TrainConfig()
     config.check()
@@ -351,13 +357,13 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
     world = init_from_env()
     try:
         return _fit(model, optimizer, train_loader, config, device, precision, loss_fn, scheduler,
-                    eval_loader, bn_loader, on_step, world)
+                    eval_loader, bn_loader, on_step, world, privacy)
     finally:
         shutdown(world)
 
 
 def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, scheduler,
-         eval_loader, bn_loader, on_step, world: World) -> TrainResult:
+         eval_loader, bn_loader, on_step, world: World, privacy=None) -> TrainResult:
     from ember.csprng import create_generator, create_random_device_generator
 
     model.to(device)
@@ -366,6 +372,13 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
     base = create_generator(config.seed) if config.seed is not None \
         else create_random_device_generator()
     generator = base.fold_in(world.rank)  # this rank's own substream
+    private = None
+    if privacy is not None:
+        from ember.train.privacy import check_combination, make_private
+
+        check_combination(config, world)
+        private = make_private(model, optimizer, train_loader, privacy, config.epochs)
+        net, optimizer, train_loader = private.module, private.optimizer, private.loader
     noise = None
     if config.noise_multiplier is not None:
         noise = GaussianGradientNoise(config.noise_multiplier, config.max_grad_norm, generator, world)
@@ -377,8 +390,15 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
 
     resume_from = find_checkpoint(config.resume, config.checkpoint_dir)
     if resume_from is not None:
-        progress, swalr = _restore(load_checkpoint(resume_from), world, model, optimizer, scheduler,
+        state = load_checkpoint(resume_from)
+        progress, swalr = _restore(state, world, model, optimizer, scheduler,
                                    scaler, swa, swag, generator, train_loader, config)
+        if private is not None:
+            if state.get("privacy") is None:
+                raise ConfigError("the checkpoint was written without privacy; resume it without")
+            private.load_state_dict(state["privacy"])
+        elif state.get("privacy") is not None:
+            raise ConfigError("the checkpoint was written with privacy; resume it with privacy=")
     log = MetricsLog(config.metrics_path if world.is_main else None)
     if resume_from is not None:
         log.write("resume", checkpoint=str(resume_from), step=progress.step, epoch=progress.epoch)
@@ -390,6 +410,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
         state = _checkpoint_state(world, model, optimizer, scheduler, swalr, scaler, swa, swag,
                                   generator, train_loader, progress, config)
         if state is not None:
+            if private is not None:
+                state["privacy"] = private.state_dict()
             save_checkpoint(ckpt_path, state)
 
     bar = _progress_bar(config.progress and world.is_main)
@@ -456,6 +478,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             if eval_loader is not None and world.is_main:
                 record.update({f"eval_{k}": v for k, v in
                                evaluate(model, eval_loader, precision, device).items()})
+            if private is not None:
+                record["epsilon"] = private.epsilon()
             progress.history.append(record)
             log.write("epoch", **record)
             progress.epoch, progress.micro, progress.epoch_loss_sum = epoch + 1, 0, 0.0
@@ -475,4 +499,6 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                        steps=progress.step, skipped_steps=progress.skipped_steps,
                        dropped_microbatches=progress.dropped_microbatches, world_size=world.size,
                        rank=world.rank, generator=generator, rank_digests=digests,
-                       checkpoint=ckpt_path)
+                       checkpoint=ckpt_path,
+                       epsilon=private.epsilon() if private is not None else None,
+                       noise_multiplier=private.noise_multiplier if private is not None else None)
