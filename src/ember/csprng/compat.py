@@ -6,10 +6,10 @@ words per call that form a fresh AES-128 key, and the call's values are cut from
 the counter blocks ``LE64(idx) || 8 zero bytes``, ``idx = 0, 1, ...``.
 
 Exactness: every integer op, ``random_``, ``uniform_`` and ``randperm_`` match torchcsprng bit for bit.
-The transcendental transforms (normal, log-normal, exponential, Cauchy, geometric) are computed with
-NumPy, whose ``log``/``log1p``/``exp``/``tan`` may differ from the C library torchcsprng called by an
-ulp or two of the double result; after rounding to float32/float16/bfloat16 that almost never shows,
-for float64 outputs it can show in the last bits.
+The transcendental transforms (normal, log-normal, exponential, Cauchy, geometric) call the C
+library's ``log``/``log1p``/``exp``/``cos``/``tan`` element by element through Python's ``math``
+module, as torchcsprng's C++ kernels did, so float64 outputs match too (NumPy's vectorized versions
+differ by an ulp in some elements). This is not a speed path.
 
 This stream is for re-running old experiments only: its integer ranges are biased (``v % range``)
 and its key comes from a non-cryptographic generator. Use ``ember.csprng.create_generator``.
@@ -70,6 +70,11 @@ def _check_out(op: str, out: torch.Tensor) -> None:
     if out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError(f"{op}: out must be a contiguous CPU tensor, got device {out.device}, "
                          f"contiguous={out.is_contiguous()}")
+
+
+def _libm(fn: Callable[[float], float], x: np.ndarray) -> np.ndarray:
+    """``fn`` (a ``math`` function, i.e. the C library's) applied to every element of ``x``."""
+    return np.fromiter(map(fn, x.tolist()), dtype=np.float64, count=x.size)
 
 
 def _u53(v: np.ndarray) -> np.ndarray:
@@ -216,9 +221,9 @@ class MT19937Sampler:
 
         def values(w: np.ndarray) -> np.ndarray:
             u1, u2 = _u53(w[:, 0]), _u53(w[:, 1])
-            z = np.sqrt(-2.0 * np.log1p(-u2)) * np.cos((2.0 * math.pi) * u1)
+            z = np.sqrt(-2.0 * _libm(math.log1p, -u2)) * _libm(math.cos, (2.0 * math.pi) * u1)
             z = z * std + mean
-            return np.exp(z) if log else z
+            return _libm(math.exp, z) if log else z
 
         self._fill(out, 8, 2, values)
 
@@ -235,14 +240,15 @@ class MT19937Sampler:
         _check_out("exponential_", out)
         _check_dtype("exponential_", out.dtype, _FLOATS)
         scale = -1.0 / float(lambd)
-        self._fill(out, 8, 1, lambda w: scale * np.log1p(-_u53(w)))
+        self._fill(out, 8, 1, lambda w: scale * _libm(math.log1p, -_u53(w)))
 
     def cauchy_(self, out: torch.Tensor, median: float = 0.0, sigma: float = 1.0) -> None:
         """``median + sigma * tan(pi * (u53(v) - 0.5))``."""
         _check_out("cauchy_", out)
         _check_dtype("cauchy_", out.dtype, _FLOATS)
         median, sigma = float(median), float(sigma)
-        self._fill(out, 8, 1, lambda w: median + sigma * np.tan(math.pi * (_u53(w) - 0.5)))
+        self._fill(out, 8, 1,
+                   lambda w: median + sigma * _libm(math.tan, math.pi * (_u53(w) - 0.5)))
 
     def geometric_(self, out: torch.Tensor, p: float) -> None:
         """``ceil(log(x) / log1p(-p))`` with ``x`` the dtype's mantissa bits of a word as a
@@ -256,8 +262,11 @@ class MT19937Sampler:
             denom = math.log1p(-p)
 
             def values(w: np.ndarray) -> np.ndarray:
-                with np.errstate(divide="ignore"):
-                    return np.ceil(np.log(_u53(w)) / denom)
+                u = _u53(w)
+                lg = np.full(u.shape, -np.inf)  # log(0) = -inf, as in C
+                nz = u > 0
+                lg[nz] = _libm(math.log, u[nz])
+                return np.ceil(lg / denom)
         else:
             # float math: p and log1p(-p) rounded to float; log computed in double and rounded,
             # which is the correctly rounded float log
