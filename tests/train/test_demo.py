@@ -129,7 +129,7 @@ def test_report_is_self_contained_and_every_image_decodes(demo_run):
         with Image.open(io.BytesIO(base64.b64decode(src[len(prefix):]))) as im:
             im.load()
             assert im.width > 200 and im.height > 200
-            assert len(set(im.convert("L").getdata())) > 10  # a drawing, not a blank canvas
+            assert sum(1 for c in im.convert("L").histogram() if c) > 10  # a drawing, not a blank page
     assert page.tables == 3  # results, DP, speed
     for method in METHODS:
         assert method in page.cells
