@@ -97,3 +97,25 @@ def test_failing_post_exits_non_zero_and_removes_the_output(image_folder, tmp_pa
                  "--post", cmd]) == 2
     assert "exit status 3" in capsys.readouterr().err
     assert not list((tmp_path / "out").glob("s-*"))
+
+
+def test_split_reads_a_tar_from_stdin_and_cat_tar_writes_one(tmp_path):
+    """``ember shards cat --tar A B | ember shards split - -o ...``, as separate processes."""
+    import subprocess
+
+    for i in range(2):
+        with wds.TarWriter(str(tmp_path / f"in-{i}.tar")) as w:
+            for j in range(6):
+                w.write({"__key__": f"{j:03d}", "cls": str(10 * i + j)})
+    cli = [sys.executable, "-m", "ember.cli", "shards"]
+    cat = subprocess.run([*cli, "cat", "--tar", str(tmp_path / "in-{0..1}.tar")],
+                         capture_output=True, check=True, timeout=120)
+    out = tmp_path / "out" / "s-%02d.tar"
+    done = subprocess.run([*cli, "split", "-", "-o", str(out), "--maxcount", "5", "-q"],
+                          input=cat.stdout, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"wrote 12 samples to 3 shards" in done.stdout
+    urls = expand_urls(str(tmp_path / "out" / "s-{00..02}.tar"))
+    got = list(wds.WebDataset(urls, shardshuffle=False).decode())
+    assert sorted(s["cls"] for s in got) == list(range(6)) + list(range(10, 16))
+    assert len({s["__key__"] for s in got}) == 12  # the second shard's keys were made unique

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from ember.shards.dataset import ShardDataset, iter_shard
+from ember.shards.dataset import ShardDataset, _samples, iter_shard
 from ember.shards.decode import IMAGE_EXTENSIONS
 from ember.shards.errors import ShardError
 from ember.shards.index import (
@@ -26,13 +26,26 @@ from ember.shards.index import (
     write_index,
 )
 from ember.shards.urls import UrlOptions, expand_urls, local_path
-from ember.shards.writer import ShardWriter, shard_path
+from ember.shards.writer import ShardWriter, TarWriter, shard_path
 
 __all__ = ["register"]
 
 
 def _urls(args) -> list[str]:
-    return expand_urls(args.urls)
+    """The input URLs; ``-`` (standard input, a tar stream) is kept as it is."""
+    out: list[str] = []
+    for u in args.urls:
+        out += ["-"] if u == "-" else expand_urls(u)
+    if out.count("-") > 1:
+        raise ValueError("standard input ('-') can be read once only")
+    return out
+
+
+def _read(url: str, options: UrlOptions | None = None):
+    """The raw samples of one input shard (``-``: a tar stream on standard input)."""
+    if url == "-":
+        return _samples(sys.stdin.buffer, "-")
+    return iter_shard(url, options)
 
 
 def _options(args) -> UrlOptions:
@@ -60,14 +73,34 @@ def _text(v: bytes) -> str:
     return bytes(v).decode("utf-8", "replace")
 
 
+def _cat_tar(args) -> int:
+    """``cat --tar``: the samples of every input as one tar stream on standard output."""
+    if sys.stdout.isatty():
+        raise ValueError("--tar writes a tar stream; redirect standard output to a file or pipe")
+    urls, options = _urls(args), _options(args)
+    left = args.n
+    with TarWriter(sys.stdout.buffer) as w:
+        samples = _unique_samples((s for url in urls for s in _read(url, options)), join=True)
+        for s in samples:
+            if left == 0:
+                break
+            w.write({k: v for k, v in s.items() if k != "__url__"})
+            if left is not None:
+                left -= 1
+    sys.stdout.buffer.flush()
+    return 0
+
+
 def _cat(args) -> int:
     if args.n is not None and args.n < 0:
         raise ValueError(f"-n must be >= 0, got {args.n}")
+    if args.tar:
+        return _cat_tar(args)
     left = args.n
     for url in _urls(args):
         if left == 0:
             break
-        samples = iter_shard(url, _options(args))
+        samples = _read(url, _options(args))
         try:
             for s in samples:
                 fields = {k: (json.dumps(_text(v)) if args.values else len(v))
@@ -90,7 +123,7 @@ def _stats(args) -> int:
     with _progress(_urls(args), args) as bar:
         for url in bar:
             n, size, exts = 0, 0, {}
-            for s in iter_shard(url, _options(args)):
+            for s in _read(url, _options(args)):
                 n += 1
                 for k, v in s.items():
                     if k[:2] != "__":
@@ -134,7 +167,7 @@ def _verify(args) -> int:
     with _progress(urls, args) as bar:
         for url in bar:
             try:
-                keys = [s["__key__"] for s in iter_shard(url, _options(args))]
+                keys = [s["__key__"] for s in _read(url, _options(args))]
             except ShardError as exc:
                 bad += 1
                 print(f"CORRUPT {exc}")
@@ -265,7 +298,7 @@ def _reshard(args) -> int:
     urls = _urls(args)
     options = _options(args)
     with _progress(urls, args) as bar:
-        return _write_all(args, urls, (s for url in bar for s in iter_shard(url, options)),
+        return _write_all(args, urls, (s for url in bar for s in _read(url, options)),
                           join=True)
 
 
@@ -413,13 +446,16 @@ def register(subparsers) -> None:
                            "a text file of relative paths")
             q.add_argument("--list", action="store_true", help="SOURCE is a file list")
         else:
-            q.add_argument("urls", nargs="+", help="shard paths or URLs; brace patterns expand")
+            q.add_argument("urls", nargs="+", help="shard paths or URLs; brace patterns expand; "
+                           "'-' reads a tar stream from standard input")
         q.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
         if name in ("cat", "stats"):
             q.add_argument("--json", action="store_true")
         if name == "cat":
             q.add_argument("-n", type=int, default=None, help="at most N samples")
             q.add_argument("--values", action="store_true", help="print values, not sizes")
+            q.add_argument("--tar", action="store_true", help="write the samples as one tar "
+                           "stream to standard output (e.g. to pipe into `split -`)")
         q.add_argument("--allow-pipe", action="store_true", help="allow pipe:CMD URLs")
         if name in ("split", "merge", "shuffle", "create"):
             q.add_argument("-o", "--output", required=True, help="pattern, e.g. out-%%06d.tar")
