@@ -173,3 +173,44 @@ def test_metrics_refuse_logits_and_unnormalised_rows():
             expected_calibration_error(bad, labels)
     # float32 softmax rows pass
     assert nll(torch.softmax(logits, dim=1), labels) > 0
+
+
+def test_ema_step_min_decay_and_update_after_step():
+    torch.manual_seed(0)
+    model = Net()
+    ema = EMA(model, decay=0.99, min_decay=0.5, update_after_step=3)
+    assert ema.current_decay(2) == 0.0  # before update_after_step: a copy
+    assert ema.current_decay(3) == 0.5  # warm-up (1+0)/(10+0)=0.1 is raised to min_decay
+    assert ema.current_decay(3 + 90) == pytest.approx(91 / 100)  # warm-up (1+s)/(10+s), s=90
+    assert ema.current_decay(3 + 10**6) == 0.99  # capped at decay
+    before = ema.module.head[1].weight.detach().clone()
+    _train_a_bit(model)
+    ema.update(model, step=1)
+    assert torch.equal(ema.module.head[1].weight, model.head[1].weight)
+    assert not torch.equal(before, model.head[1].weight)
+    with pytest.raises(ValueError, match="step"):
+        ema.update(model, step=-1)
+
+
+def test_swapped_into_evaluates_the_average_and_restores_exactly():
+    torch.manual_seed(0)
+    model = Net()
+    ema = EMA(model, decay=0.5, warmup=False)
+    _train_a_bit(model)
+    ema.update(model)
+    own = _state(model)
+    avg = _state(ema.module)
+    x = torch.randn(4, 1, 6, 6)
+    model.eval()
+    ema.module.eval()
+    with ema.swapped_into(model) as m:
+        assert m is model
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, avg[k]), k
+        assert torch.equal(model(x), ema.module(x))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, own[k]), k
+    with pytest.raises(RuntimeError), ema.swapped_into(model):
+        raise RuntimeError("boom")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, own[k]), k

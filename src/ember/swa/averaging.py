@@ -9,8 +9,9 @@ on every update (so the copy may be moved with ``.to()``/``.half()``/``.cuda()``
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -121,13 +122,37 @@ class _Averager:
             pairs.append((dst, src, average))
         return pairs
 
-    def _weight(self) -> float:
+    def _weight(self, step: int | None = None) -> float:
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def swapped_into(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Context manager: ``model`` holds the averaged weights inside, its own ones after.
+
+        Parameters and buffers of ``model`` are saved, overwritten with the average (cast to their
+        dtype) and restored bit for bit on exit, also after an exception. Use it to evaluate the
+        average with the live model (``with ema.swapped_into(model): evaluate(model)``).
+        """
+        with torch.no_grad():
+            saved = []
+            for dst, src, _ in self._pairs(model):
+                saved.append((src, src.detach().clone()))
+                src.copy_(dst)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                for src, value in saved:
+                    src.copy_(value)
+
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        """Fold the current weights of ``model`` into the average."""
-        weight = self._weight()
+    def update(self, model: nn.Module, step: int | None = None) -> None:
+        """Fold the current weights of ``model`` into the average.
+
+        ``step`` (EMA only) is the training step the decay schedule is evaluated at; without it
+        the number of updates so far is used.
+        """
+        weight = self._weight(step)
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
         for dst, src, average in self._pairs(model):
             src = src.detach()
@@ -176,6 +201,10 @@ class EMA(_Averager):
     compiled models, or to control where the copy lives), otherwise in a deep copy of the model.
     Floating-point buffers are averaged when ``use_buffers`` is true, otherwise copied; integer
     buffers are always copied. ``foreach=None`` picks foreach kernels where torch has them.
+
+    As timm's ``ModelEmaV3``: ``update(model, step=...)`` evaluates the decay at a training step,
+    ``update_after_step`` copies the model until that step, ``min_decay`` bounds the warm-up
+    from below, and :meth:`swapped_into` evaluates the average inside the live model.
     """
 
     def __init__(
@@ -184,6 +213,8 @@ class EMA(_Averager):
         decay: float | Callable[[int], float] = 0.9999,
         *,
         warmup: bool = True,
+        min_decay: float = 0.0,
+        update_after_step: int = 0,
         target: nn.Module | None = None,
         device: torch.device | str | int | None = None,
         use_buffers: bool = True,
@@ -191,23 +222,41 @@ class EMA(_Averager):
     ) -> None:
         if not callable(decay) and not 0.0 <= decay <= 1.0:
             raise ValueError(f"decay must be in [0, 1], got {decay}")
+        if not 0.0 <= min_decay <= 1.0:
+            raise ValueError(f"min_decay must be in [0, 1], got {min_decay}")
+        if isinstance(update_after_step, bool) or not isinstance(update_after_step, int) \
+                or update_after_step < 0:
+            raise ValueError(f"update_after_step must be an integer >= 0, got {update_after_step!r}")
         self.decay = decay
         self.warmup = warmup
+        self.min_decay = min_decay
+        self.update_after_step = update_after_step
         super().__init__(
             model, target=target, device=device, use_buffers=use_buffers, foreach=foreach
         )
 
-    def current_decay(self) -> float:
-        """The decay the next :meth:`update` will use."""
-        if callable(self.decay):
-            d = float(self.decay(self.n_updates))
-            if not 0.0 <= d <= 1.0:
-                raise ValueError(f"decay({self.n_updates}) returned {d}; expected [0, 1]")
-            return d
-        return ema_decay(self.n_updates, self.decay, self.warmup)
+    def current_decay(self, step: int | None = None) -> float:
+        """The decay an :meth:`update` at ``step`` (default: the update count) uses.
 
-    def _weight(self) -> float:
-        return 1.0 - self.current_decay()
+        Before ``update_after_step`` the decay is 0 (the average copies the model); after it the
+        schedule restarts from 0 and is never below ``min_decay``.
+        """
+        step = self.n_updates if step is None else step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        step -= self.update_after_step
+        if step < 0:
+            return 0.0
+        if callable(self.decay):
+            d = float(self.decay(step))
+            if not 0.0 <= d <= 1.0:
+                raise ValueError(f"decay({step}) returned {d}; expected [0, 1]")
+        else:
+            d = ema_decay(step, self.decay, self.warmup)
+        return max(self.min_decay, d)
+
+    def _weight(self, step: int | None = None) -> float:
+        return 1.0 - self.current_decay(step)
 
 
 class SWA(_Averager):
@@ -231,5 +280,5 @@ class SWA(_Averager):
             model, target=target, device=device, use_buffers=use_buffers, foreach=foreach
         )
 
-    def _weight(self) -> float:
+    def _weight(self, step: int | None = None) -> float:
         return 1.0 / (self.n_updates + 1)
