@@ -24,6 +24,7 @@ from ember.swa.metrics import (
     predictive_entropy,
 )
 from ember.swa.plots import reliability_diagram
+from ember.swa.schedules import CyclicSWALR, cyclic_lr, is_cycle_end
 from ember.swa.swag import SWAG, MultiSWAG, bayesian_average
 
 __all__ = [
@@ -32,17 +33,20 @@ __all__ = [
     "SWAG",
     "SWALR",
     "AveragedModel",
+    "CyclicSWALR",
     "MultiSWAG",
     "accuracy",
     "bayesian_average",
     "brier_score",
     "calibration_bins",
+    "cyclic_lr",
     "ema_decay",
     "expected_calibration_error",
     "get_ema_avg_fn",
     "get_ema_multi_avg_fn",
     "get_swa_avg_fn",
     "get_swa_multi_avg_fn",
+    "is_cycle_end",
     "nll",
     "predictive_entropy",
     "reliability_diagram",
