@@ -145,3 +145,29 @@ def test_a_loader_without_indices_is_refused():
     with pytest.raises(ConfigError, match="map-style dataset"):
         _fit(model, opt, batches, PrivacyConfig(noise_multiplier=1.0, delta=1e-5,
                                                 max_grad_norm=1.0), epochs=1)
+
+
+def test_ember_train_cli_dp_flags(tmp_path, capsys):
+    import json
+
+    from ember.cli import main
+    from ember.demo import write_digits_shards
+
+    shards = write_digits_shards(tmp_path / "digits", maxcount=200)
+    train = shards["train"]
+
+    out = tmp_path / "out"
+    rc = main(["train", "--data", train, "--num-classes", "10",
+               "--epochs", "2", "--batch-size", "32", "--dp-epsilon", "8", "--dp-delta", "1e-5",
+               "--max-grad-norm", "1.0", "--no-progress", "--out", str(out), "--swag-rank", "0"])
+    assert rc == 0, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    eps = [r["epsilon"] for r in summary["history"]]
+    assert len(eps) == 2 and 0 < eps[0] < eps[1] <= 8.0 + 1e-6
+    assert summary["epsilon"] == eps[-1] and summary["noise_multiplier"] > 0
+    rc = main(["train", "--data", train, "--num-classes", "10",
+               "--dp-epsilon", "8", "--no-progress", "--out", str(out)])
+    assert rc == 2 and "--dp-delta" in capsys.readouterr().err
+    rc = main(["train", "--data", train, "--num-classes", "10",
+               "--dp-noise-multiplier", "1.0", "--no-progress", "--out", str(out)])
+    assert rc == 2 and "not differential privacy" in capsys.readouterr().err

@@ -104,9 +104,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="epochs of cosine annealing to --swa-lr (default: %(default)s)")
     loop.add_argument("--swag-rank", type=int, default=20, metavar="K",
                       help="SWAG deviation rank; 0 collects SWA only (default: %(default)s)")
-    loop.add_argument("--dp-noise-multiplier", type=float, default=None, metavar="SIGMA",
-                      help="add secure ember.csprng Gaussian noise of std SIGMA * C to the clipped "
-                      "gradients (needs --clip-grad-norm C; DP-SGD style, not a privacy accountant)")
+    dp = p.add_argument_group("differential privacy (DP-SGD through Opacus on ember.csprng)")
+    dp.add_argument("--dp-epsilon", type=float, default=None, metavar="E",
+                    help="train with DP-SGD for the budget (E, --dp-delta) over --epochs: the noise "
+                    "multiplier is found for it; each epoch logs the epsilon spent")
+    dp.add_argument("--dp-delta", type=float, default=None, metavar="D",
+                    help="delta of the DP guarantee (below 1/dataset size, e.g. 1e-5)")
+    dp.add_argument("--max-grad-norm", type=float, default=None, metavar="C",
+                    help="per-example gradient clipping bound for DP-SGD")
+    dp.add_argument("--dp-noise-multiplier", type=float, default=None, help=argparse.SUPPRESS)
     loop.add_argument("--seed", type=int, default=0,
                       help="seed of the data shuffle and of the ember.csprng noise stream; -1 keys "
                       "the noise from the OS (default: %(default)s)")
@@ -143,6 +149,25 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
     if args.swag_rank < 0:
         raise ConfigError(f"--swag-rank must be >= 0, got {args.swag_rank}")
+    if args.dp_noise_multiplier is not None:
+        raise ConfigError("--dp-noise-multiplier was removed (it was not differential privacy); "
+                          "use --dp-epsilon E --dp-delta D --max-grad-norm C")
+    dp = (args.dp_epsilon, args.dp_delta, args.max_grad_norm)
+    if any(v is not None for v in dp) and any(v is None for v in dp):
+        raise ConfigError("DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm")
+
+
+def _in_memory_loader(stream: object, batch_size: int) -> torch.utils.data.DataLoader:
+    """The whole training stream as a map-style DataLoader: DP-SGD's Poisson sampling picks
+    examples by index, so the shards are read into memory once."""
+    xs, ys = [], []
+    for x, y in stream:  # type: ignore[attr-defined]
+        xs.append(x)
+        ys.append(y)
+    if not xs:
+        raise ConfigError("--data holds no samples")
+    data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
+    return torch.utils.data.DataLoader(data, batch_size=batch_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,10 +186,17 @@ def run(args: argparse.Namespace) -> int:
         swa_lr=(args.swa_lr if args.swa_lr is not None else args.lr / 2)
         if args.swa_start is not None else args.swa_lr,
         swa_anneal_epochs=args.swa_anneal_epochs, swag_rank=args.swag_rank or None,
-        noise_multiplier=args.dp_noise_multiplier, seed=None if args.seed == -1 else args.seed,
+        seed=None if args.seed == -1 else args.seed,
         checkpoint_dir=args.out / "checkpoints", checkpoint_every=args.checkpoint_every,
         resume=args.resume, metrics_path=args.out / "metrics.jsonl", progress=not args.no_progress)
     config.check()
+    privacy = None
+    if args.dp_epsilon is not None:
+        from ember.train.privacy import PrivacyConfig
+
+        privacy = PrivacyConfig(epsilon=args.dp_epsilon, delta=args.dp_delta,
+                                max_grad_norm=args.max_grad_norm)
+        privacy.check()
 
     world = init_from_env()  # before building loaders, so each rank reads its own shards
     torch.manual_seed(max(args.seed, 0))  # the same initial weights on every rank
@@ -175,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
                                shuffle=args.shuffle_buffer, grayscale=args.grayscale,
                                num_workers=args.workers)
+    if privacy is not None:
+        train = _in_memory_loader(train, args.batch_size)
     test = None
     if args.eval_data:
         test = image_class_loader(args.eval_data, 256, shuffle=0, grayscale=args.grayscale,
@@ -187,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
         return nn.functional.cross_entropy(logits, target)
 
     try:
-        result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test)
+        result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test,
+                     privacy=privacy)
         streams = all_gather_objects(
             hashlib.sha256(bytes(result.generator.get_state().numpy())).hexdigest()[:16], world)
     finally:
@@ -203,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
                    "dropped_microbatches": result.dropped_microbatches,
                    "world_size": result.world_size, "rank_digests": result.rank_digests,
                    "ranks_in_sync": len(set(result.rank_digests)) == 1,
-                   "rank_streams": streams, "history": result.history}
+                   "rank_streams": streams, "history": result.history,
+                   "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier}
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
         last = result.history[-1] if result.history else {}
         print(f"trained {result.steps} steps on {result.world_size} process(es); final train loss "
