@@ -2,7 +2,7 @@
 
 :func:`fit` trains on ``(inputs, targets)`` batches (typically from :func:`image_class_loader`,
 streaming ember.shards) with fp32/bf16/fp16 precision, gradient accumulation and clipping, SWA and
-SWAG collection, optional secure gradient noise from ember.csprng, exact checkpoint/resume and
+SWAG collection, DP-SGD through Opacus on ember.csprng (``privacy=``), exact checkpoint/resume and
 DistributedDataParallel under torchrun. See docs/train.md.
 """
 
@@ -12,12 +12,14 @@ from ember.train.errors import ConfigError
 from ember.train.loop import TrainConfig, TrainResult, evaluate, fit, predict
 from ember.train.noise import GaussianGradientNoise
 from ember.train.precision import PRECISIONS, Precision
+from ember.train.privacy import PrivacyConfig
 
 __all__ = [
     "PRECISIONS",
     "ConfigError",
     "GaussianGradientNoise",
     "Precision",
+    "PrivacyConfig",
     "TrainConfig",
     "TrainResult",
     "check_shards",
