@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -53,3 +55,18 @@ def test_epoch_records_log_the_rate_the_epoch_trained_with():
                  scheduler=sched, on_step=lambda step, rec: seen.append(rec["lr"]))
     assert [r["lr"] for r in result.history] == [0.1, 0.05, 0.025]
     assert seen[::2] == [0.1, 0.05, 0.025]  # the step records agree
+
+
+def test_swa_model_with_stale_batchnorm_statistics_warns():
+    import pytest
+
+    cfg = TrainConfig(epochs=2, swa_start=1, swa_lr=0.01, swag_rank=None, progress=False)
+    model = _model()
+    with pytest.warns(UserWarning, match="stale"):
+        fit(model, torch.optim.SGD(model.parameters(), lr=0.05), _loader(2), cfg)
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        result = fit(model, torch.optim.SGD(model.parameters(), lr=0.05), _loader(2), cfg,
+                     bn_loader=_loader(2))
+    assert int(result.swa.module[1].num_batches_tracked) == 2  # recomputed on the 2 bn batches

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from ember.swa import SWA, SWAG, SWALR, update_bn
+from ember.swa.bn import has_running_stats
 from ember.train.checkpoint import (
     CHECKPOINT_NAME,
     find_checkpoint,
@@ -488,6 +490,12 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
 
         if swa is not None and bn_loader is not None:
             update_bn(bn_loader, swa.module, device=device)
+        elif swa is not None and has_running_stats(swa.module):
+            warnings.warn(
+                "fit returns an SWA model whose BatchNorm running statistics are those of the last "
+                "training weights, not of the averaged ones (stale); pass bn_loader= to fit, or "
+                "call ember.swa.update_bn(loader, result.swa.module) before using it",
+                UserWarning, stacklevel=3)
         digests = all_gather_objects(weights_digest(model), world)
         log.write("end", steps=progress.step, skipped_steps=progress.skipped_steps,
                   dropped_microbatches=progress.dropped_microbatches,
