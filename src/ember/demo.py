@@ -574,7 +574,7 @@ img {{ max-width: 100%; }} figure {{ margin: 1em 0; }} figcaption {{ color: #555
 {dp_html}
 <h2>Speed measured in this run</h2>
 {_html_table(["case", "ember", "baseline", "ratio"], speed_rows)}
-{img("speed", "Speed ratios")}
+{img("speed", "Speed ratios") if "speed" in figures else "<p>not measured (--no-benchmark)</p>"}
 </body></html>
 """
     path.write_text(doc, encoding="utf-8")
@@ -698,7 +698,7 @@ def run_demo(out: Path = DEFAULT_OUT, *, quick: bool = False, progress: bool = T
     payload["figures"] = {k: str(v) for k, v in figures.items()}
     (out / "results.json").write_text(json.dumps(payload, indent=2))
     report = _write_report(out / "report.html", payload,
-                           figures if benchmark else figures | {"speed": figures["shift"]},
+                           figures,
                            settings)
     print(f"\nfigures: {', '.join(str(p) for p in figures.values())}")
     print(f"results: {out / 'results.json'}")
