@@ -62,7 +62,9 @@ class SWAG:
         self.dtype = dtype
         p_count = self.num_parameters
         self.mean = torch.zeros(p_count, device=self.device, dtype=dtype)
-        self.sq_mean = torch.zeros(p_count, device=self.device, dtype=dtype)
+        # Welford: the population variance itself is kept, not the second moment, so that weights
+        # around 1 with a small spread keep their variance in float32 (sq_mean - mean^2 cancels)
+        self.var = torch.zeros(p_count, device=self.device, dtype=dtype)
         self.deviations = torch.zeros(max_rank, p_count, device=self.device, dtype=dtype)
         self.n_collected = 0
 
@@ -114,14 +116,21 @@ class SWAG:
             row[offset : offset + k].copy_(p.detach().reshape(-1), non_blocking=non_blocking)
             offset += k
         self.mean.lerp_(row, 1.0 / (n + 1))
-        self.sq_mean.mul_(n / (n + 1)).addcmul_(row, row, value=1.0 / (n + 1))
-        row.sub_(self.mean)
+        row.sub_(self.mean)  # w - new mean: the deviation kept in the ring
+        if n > 0:
+            # Welford: var_{n+1} = n/(n+1) var_n + (w - mean_{n+1})^2 / n
+            self.var.mul_(n / (n + 1)).addcmul_(row, row, value=1.0 / n)
         self.n_collected = n + 1
 
+    @property
+    def sq_mean(self) -> Tensor:
+        """Second moment ``var + mean^2`` (computed; the variance is what is stored)."""
+        return torch.addcmul(self.var, self.mean, self.mean)
+
     def variance(self) -> Tensor:
-        """Diagonal variance ``clamp(sq_mean - mean^2, min=var_clamp)``."""
+        """Diagonal variance of the collected weights, clamped below at ``var_clamp``."""
         self._require_collected("variance()")
-        return torch.clamp(self.sq_mean - self.mean.square(), min=self.var_clamp)
+        return torch.clamp(self.var, min=self.var_clamp)
 
     def deviation_matrix(self) -> Tensor:
         """The stored deviations ``D`` as a ``(K', P)`` matrix, oldest first."""
@@ -170,7 +179,7 @@ class SWAG:
         ).to(self.device)
         # theta is built in place in one buffer: a 25 M-parameter model makes every temporary
         # a 100 MB allocation
-        theta = torch.addcmul(self.sq_mean, self.mean, self.mean, value=-1.0)
+        theta = self.var.clone()
         theta.clamp_(min=self.var_clamp).sqrt_().mul_(z1)
         del z1
         if not diag_only:
@@ -222,13 +231,15 @@ class SWAG:
             "n_collected": self.n_collected,
             "var_clamp": self.var_clamp,
             "mean": self.mean.clone(),
-            "sq_mean": self.sq_mean.clone(),
+            "var": self.var.clone(),
             "deviations": self.deviations.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (for a posterior of the same model)."""
-        keys = ("names", "shapes", "max_rank", "n_collected", "mean", "sq_mean", "deviations")
+        keys = ("names", "shapes", "max_rank", "n_collected", "mean", "deviations")
+        if "var" not in state and "sq_mean" not in state:
+            raise KeyError("SWAG state dict lacks 'var'; expected state_dict() output")
         for key in keys:
             if key not in state:
                 raise KeyError(f"SWAG state dict lacks {key!r}; expected state_dict() output")
@@ -239,7 +250,11 @@ class SWAG:
                 f"SWAG state dict has max_rank={state['max_rank']}, this posterior {self.max_rank}"
             )
         self.mean.copy_(state["mean"])
-        self.sq_mean.copy_(state["sq_mean"])
+        if "var" in state:
+            self.var.copy_(state["var"])
+        else:  # written before the variance was stored
+            self.var.copy_(torch.addcmul(state["sq_mean"].to(self.var), self.mean, self.mean,
+                                         value=-1.0))
         self.deviations.copy_(state["deviations"])
         self.n_collected = int(state["n_collected"])
         self.var_clamp = float(state.get("var_clamp", self.var_clamp))
