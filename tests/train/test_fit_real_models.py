@@ -70,3 +70,41 @@ def test_swa_model_with_stale_batchnorm_statistics_warns():
         result = fit(model, torch.optim.SGD(model.parameters(), lr=0.05), _loader(2), cfg,
                      bn_loader=_loader(2))
     assert int(result.swa.module[1].num_batches_tracked) == 2  # recomputed on the 2 bn batches
+
+
+def _ema_run(tmp_path, kill_at=None, resume=None):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    cfg = TrainConfig(epochs=3, ema_decay=0.9, swa_start=2, swa_lr=0.01, swag_rank=2,
+                      progress=False, checkpoint_dir=tmp_path / "ckpt",
+                      resume=resume)
+
+    def on_step(step, record):
+        if step == kill_at:
+            raise RuntimeError("killed")
+
+    return fit(model, opt, _loader(), cfg, bn_loader=_loader(2), on_step=on_step)
+
+
+def test_fit_keeps_an_ema_and_resumes_it_bit_identically(tmp_path):
+    import pytest
+
+    whole = _ema_run(tmp_path / "a")
+    assert whole.ema is not None and whole.ema.n_updates == whole.steps == 12
+    assert weights_digest(whole.ema.module) != weights_digest(whole.model)
+    with pytest.raises(RuntimeError, match="killed"):
+        _ema_run(tmp_path / "b", kill_at=7)  # mid epoch 2: resumes from the end of epoch 1
+    resumed = _ema_run(tmp_path / "b", resume="auto")  # fresh model, optimizer and EMA objects
+    assert resumed.ema.n_updates == 12
+    for a, b in ((whole.model, resumed.model), (whole.ema.module, resumed.ema.module),
+                 (whole.swa.module, resumed.swa.module)):
+        assert weights_digest(a) == weights_digest(b)
+    assert torch.equal(whole.swag.var, resumed.swag.var)
+    assert torch.equal(whole.swag.deviations, resumed.swag.deviations)
+
+
+def test_fit_ema_with_decay_zero_follows_the_model():
+    model = _model()
+    cfg = TrainConfig(epochs=1, ema_decay=0.0, swag_rank=None, progress=False)
+    result = fit(model, torch.optim.SGD(model.parameters(), lr=0.05), _loader(2), cfg)
+    assert weights_digest(result.ema.module) == weights_digest(result.model)

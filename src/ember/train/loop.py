@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from ember.swa import SWA, SWAG, SWALR, update_bn
+from ember.swa import EMA, SWA, SWAG, SWALR, update_bn
 from ember.swa.bn import has_running_stats
 from ember.train.checkpoint import (
     CHECKPOINT_NAME,
@@ -55,6 +55,9 @@ class TrainConfig:
     - ``swa_start``: first epoch (0-based) of the SWA phase, or None for no SWA. In the phase the
       learning rate follows SWALR to ``swa_lr`` over ``swa_anneal_epochs`` and, after each epoch,
       the weights are added to SWA and (if ``swag_rank``) to a SWAG posterior of that rank.
+    - ``ema_decay``: keep an :class:`ember.swa.EMA` of the weights, updated after every optimizer
+      step, with the warm-up of :func:`ember.swa.ema_decay` unless ``ema_warmup=False``; it is
+      checkpointed and returned as ``TrainResult.ema``.
     - ``noise_multiplier``: add secure Gaussian noise of std ``noise_multiplier * max_grad_norm``
       to the clipped gradients (DP-SGD style; not a privacy accountant, see docs/train.md).
     - ``seed``: key of the ember.csprng generator the noise comes from (each rank uses
@@ -75,6 +78,8 @@ class TrainConfig:
     swa_lr: float | None = None
     swa_anneal_epochs: int = 1
     swag_rank: int | None = 20
+    ema_decay: float | None = None
+    ema_warmup: bool = True
     noise_multiplier: float | None = None
     seed: int | None = 0
     checkpoint_dir: str | os.PathLike | None = None
@@ -100,6 +105,9 @@ class TrainConfig:
         positive_int("accumulate", self.accumulate)
         positive_int("swa_anneal_epochs", self.swa_anneal_epochs)
         positive_int("swag_rank", self.swag_rank, allow_none=True)
+        if self.ema_decay is not None and (isinstance(self.ema_decay, bool)
+                                           or not 0.0 <= self.ema_decay <= 1.0):
+            raise ConfigError(f"ema_decay must be in [0, 1] or None, got {self.ema_decay!r}")
         positive_int("checkpoint_every", self.checkpoint_every, allow_none=True)
         positive_int("log_every", self.log_every)
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
@@ -156,6 +164,7 @@ class TrainResult:
     checkpoint: Path | None
     epsilon: float | None = None  # with privacy: the budget spent (at PrivacyConfig.delta)
     noise_multiplier: float | None = None  # with privacy: the DP-SGD noise multiplier used
+    ema: EMA | None = None  # with TrainConfig.ema_decay: the moving average of the weights
 
 
 def _split_batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,6 +395,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
         noise = GaussianGradientNoise(config.noise_multiplier, config.max_grad_norm, generator, world)
     swa = SWA(model) if config.swa_start is not None else None
     swag = SWAG(model, max_rank=config.swag_rank) if swa is not None and config.swag_rank else None
+    ema = EMA(model, config.ema_decay, warmup=config.ema_warmup) \
+        if config.ema_decay is not None else None
     swalr: SWALR | None = None
     progress = _Progress()
     ckpt_path = Path(config.checkpoint_dir) / CHECKPOINT_NAME if config.checkpoint_dir else None
@@ -401,6 +412,11 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             private.load_state_dict(state["privacy"])
         elif state.get("privacy") is not None:
             raise ConfigError("the checkpoint was written with privacy; resume it with privacy=")
+        if (state.get("ema") is None) != (ema is None):
+            raise ConfigError("checkpoint and this run disagree on whether an EMA is kept "
+                              "(TrainConfig.ema_decay)")
+        if ema is not None:
+            ema.load_state_dict(state["ema"])
     log = MetricsLog(config.metrics_path if world.is_main else None)
     if resume_from is not None:
         log.write("resume", checkpoint=str(resume_from), step=progress.step, epoch=progress.epoch)
@@ -414,6 +430,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
         if state is not None:
             if private is not None:
                 state["privacy"] = private.state_dict()
+            if ema is not None:
+                state["ema"] = ema.state_dict()
             save_checkpoint(ckpt_path, state)
 
     bar = _progress_bar(config.progress and world.is_main)
@@ -448,6 +466,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                                                      noise)
                 progress.step += 1
                 progress.skipped_steps += skipped
+                if ema is not None:
+                    ema.update(model)
                 record = {"step": progress.step, "epoch": epoch, "loss": float(loss.detach()),
                           "lr": _lr(optimizer), "skipped": skipped}
                 if grad_norm is not None:
@@ -509,4 +529,5 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                        rank=world.rank, generator=generator, rank_digests=digests,
                        checkpoint=ckpt_path,
                        epsilon=private.epsilon() if private is not None else None,
-                       noise_multiplier=private.noise_multiplier if private is not None else None)
+                       noise_multiplier=private.noise_multiplier if private is not None else None,
+                       ema=ema)
