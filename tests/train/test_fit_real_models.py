@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -58,7 +59,7 @@ def test_epoch_records_log_the_rate_the_epoch_trained_with():
 
 
 def test_swa_model_with_stale_batchnorm_statistics_warns():
-    import pytest
+
 
     cfg = TrainConfig(epochs=2, swa_start=1, swa_lr=0.01, swag_rank=None, progress=False)
     model = _model()
@@ -72,12 +73,12 @@ def test_swa_model_with_stale_batchnorm_statistics_warns():
     assert int(result.swa.module[1].num_batches_tracked) == 2  # recomputed on the 2 bn batches
 
 
-def _ema_run(tmp_path, kill_at=None, resume=None):
+def _ema_run(tmp_path, kill_at=None, resume=None, precision="fp32"):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     cfg = TrainConfig(epochs=3, ema_decay=0.9, swa_start=2, swa_lr=0.01, swag_rank=2,
                       progress=False, checkpoint_dir=tmp_path / "ckpt",
-                      resume=resume)
+                      resume=resume, precision=precision)
 
     def on_step(step, record):
         if step == kill_at:
@@ -86,15 +87,16 @@ def _ema_run(tmp_path, kill_at=None, resume=None):
     return fit(model, opt, _loader(), cfg, bn_loader=_loader(2), on_step=on_step)
 
 
-def test_fit_keeps_an_ema_and_resumes_it_bit_identically(tmp_path):
-    import pytest
-
-    whole = _ema_run(tmp_path / "a")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_fit_keeps_an_ema_and_resumes_it_bit_identically(tmp_path, precision):
+    whole = _ema_run(tmp_path / "a", precision=precision)
     assert whole.ema is not None and whole.ema.n_updates == whole.steps == 12
     assert weights_digest(whole.ema.module) != weights_digest(whole.model)
     with pytest.raises(RuntimeError, match="killed"):
-        _ema_run(tmp_path / "b", kill_at=7)  # mid epoch 2: resumes from the end of epoch 1
-    resumed = _ema_run(tmp_path / "b", resume="auto")  # fresh model, optimizer and EMA objects
+        # killed mid epoch 2: the run resumes from the end of epoch 1
+        _ema_run(tmp_path / "b", kill_at=7, precision=precision)
+    # fresh model, optimizer, EMA, SWA and SWAG objects
+    resumed = _ema_run(tmp_path / "b", resume="auto", precision=precision)
     assert resumed.ema.n_updates == 12
     for a, b in ((whole.model, resumed.model), (whole.ema.module, resumed.ema.module),
                  (whole.swa.module, resumed.swa.module)):

@@ -4,7 +4,8 @@
 ``EMA`` and ``SWA`` add what they lack: averaging into a copy you provide (FSDP, compiled models)
 instead of a deep copy, matching by name with the ``_orig_mod.`` prefix of ``torch.compile`` and
 the ``module.`` prefix of DDP/``DataParallel`` ignored (nested, on either side), tensors looked up
-on every update (so the copy may be moved with ``.to()``/``.half()``/``.cuda()``), integer buffers copied rather than averaged, foreach updates, and an EMA decay warm-up.
+on every update (so the copy may be moved with ``.to()``/``.half()``/``.cuda()``), integer
+buffers copied rather than averaged, foreach updates, and an EMA decay warm-up.
 """
 
 from __future__ import annotations
