@@ -14,6 +14,7 @@ def digits_shards(tmp_path_factory) -> dict:
     from ember.demo import write_digits_shards
 
     root = Path(tmp_path_factory.mktemp("digits"))
-    train, test, n_train, n_test = write_digits_shards(root, maxcount=200)
-    return {"root": root, "train": train, "test": test, "n_train": n_train, "n_test": n_test,
+    written = write_digits_shards(root, maxcount=200)
+    return {"root": root, "train": written["train"], "test": written["test"],
+            "n_train": written["n_train"], "n_test": written["n_test"],
             "train_small": str(root / "train-{000000..000001}.tar")}

@@ -22,7 +22,7 @@ def main(urls: str, out: str, kill_at: int, resume: str) -> int:
                           nn.Linear(32, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = image_class_loader(urls, 16, seed=1, shuffle=64, grayscale=True)
-    config = TrainConfig(epochs=3, accumulate=2, max_grad_norm=1.0, noise_multiplier=0.05,
+    config = TrainConfig(epochs=3, accumulate=2, max_grad_norm=1.0,
                          swa_start=1, swa_lr=0.02, swag_rank=2, seed=4, checkpoint_dir=out + "/ckpt",
                          checkpoint_every=4, resume=resume or None, progress=False)
 

@@ -52,9 +52,13 @@ def test_ember_train_rejects_unknown_precision(capsys, digits_shards):
 
 def test_ember_train_rejects_inconsistent_options(capsys, digits_shards):
     rc = main(["train", "--data", digits_shards["train"], "--num-classes", "10",
+               "--dp-epsilon", "1.0", "--dp-delta", "1e-5"])
+    assert rc == 2
+    assert "DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm" in capsys.readouterr().err
+    rc = main(["train", "--data", digits_shards["train"], "--num-classes", "10",
                "--dp-noise-multiplier", "1.0"])
     assert rc == 2
-    assert "noise_multiplier needs max_grad_norm" in capsys.readouterr().err
+    assert "--dp-noise-multiplier was removed" in capsys.readouterr().err
     rc = main(["train", "--data", digits_shards["train"], "--num-classes", "1"])
     assert rc == 2
     assert "--num-classes must be >= 2" in capsys.readouterr().err
@@ -73,7 +77,7 @@ def test_ember_train_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--data", "--eval-data", "--num-classes", "--precision", "--accumulate",
                    "--clip-grad-norm", "--swa-start", "--swa-lr", "--swag-rank",
-                   "--dp-noise-multiplier", "--checkpoint-every", "--resume", "--out", "torchrun"):
+                   "--dp-epsilon", "--dp-delta", "--max-grad-norm", "--checkpoint-every", "--resume", "--out", "torchrun"):
         assert option in text
 
 

@@ -30,7 +30,7 @@ def _setup(urls: str, workers: int = 0):
 
 
 def _config(tmp, **kw) -> TrainConfig:
-    base = dict(epochs=4, accumulate=2, max_grad_norm=1.0, noise_multiplier=0.05, swa_start=2,
+    base = dict(epochs=4, accumulate=2, max_grad_norm=1.0, swa_start=2,
                 swa_lr=0.02, swag_rank=2, seed=11, checkpoint_dir=tmp / "ckpt", progress=False,
                 metrics_path=tmp / "metrics.jsonl")
     base.update(kw)
