@@ -26,6 +26,7 @@ from ember.swa.metrics import (
 from ember.swa.plots import reliability_diagram
 from ember.swa.schedules import CyclicSWALR, cyclic_lr, is_cycle_end
 from ember.swa.swag import SWAG, MultiSWAG, bayesian_average
+from ember.swa.swap import refine_locally, swap_average_, swap_fit, swap_world_size
 
 __all__ = [
     "EMA",
@@ -49,6 +50,10 @@ __all__ = [
     "is_cycle_end",
     "nll",
     "predictive_entropy",
+    "refine_locally",
     "reliability_diagram",
+    "swap_average_",
+    "swap_fit",
+    "swap_world_size",
     "update_bn",
 ]

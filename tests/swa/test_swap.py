@@ -1,0 +1,99 @@
+"""SWAP (ember.swa.swap) with 2 CPU processes (gloo on loopback) launched by torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ember.swa import swap_average_, swap_fit, swap_world_size
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
+                                or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+JOB = Path(__file__).with_name("swap_job.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    for _ in range(3):  # the free port can be taken before torchrun binds it: retry that only
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if "address already in use" not in (proc.stdout + proc.stderr).lower():
+            break
+    return proc
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("swap")
+    proc = _torchrun([str(JOB), str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _flat(tensors: list[list[float]]) -> torch.Tensor:
+    return torch.cat([torch.tensor(t, dtype=torch.float64) for t in tensors])
+
+
+def test_after_phase3_every_rank_holds_the_mean_of_the_phase2_weights(two_ranks):
+    assert [r["world_size"] for r in two_ranks] == [2, 2]
+    mean = (_flat(two_ranks[0]["phase2"]) + _flat(two_ranks[1]["phase2"])) / 2
+    final0, final1 = _flat(two_ranks[0]["final"]), _flat(two_ranks[1]["final"])
+    assert torch.equal(final0, final1)
+    torch.testing.assert_close(final0, mean, rtol=0, atol=1e-6)
+
+
+def test_phase1_is_in_sync_and_phase2_weights_differ_between_ranks(two_ranks):
+    # phase 1 (DDP) ends with the same parameters on both ranks, after 2 epochs of 4 steps
+    assert [r["phase1_steps"] for r in two_ranks] == [8, 8]
+    assert torch.equal(_flat(two_ranks[0]["phase1"]), _flat(two_ranks[1]["phase1"]))
+    diff = (_flat(two_ranks[0]["phase2"]) - _flat(two_ranks[1]["phase2"])).abs().max()
+    assert diff > 1e-3
+    assert two_ranks[0]["phase2_losses"] != two_ranks[1]["phase2_losses"]
+
+
+def test_batchnorm_statistics_recomputed_and_equal_on_every_rank(two_ranks):
+    assert [r["bn_batches"] for r in two_ranks] == [10, 10]
+    assert two_ranks[0]["bn_mean"] == two_ranks[1]["bn_mean"]
+    assert two_ranks[0]["bn_var"] == two_ranks[1]["bn_var"]
+    assert min(two_ranks[0]["bn_var"]) > 0
+
+
+def test_without_a_process_group_swap_refuses():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="at least 2 processes"):
+        swap_average_(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="at least 2 processes"):
+        swap_fit(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), [], [])
+
+
+def test_world_size_one_is_a_clear_error():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="world size of at least 2, got 1"):
+            swap_world_size()
+        with pytest.raises(RuntimeError, match="world size of at least 2, got 1"):
+            swap_average_(nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()
