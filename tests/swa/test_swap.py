@@ -97,3 +97,62 @@ def test_world_size_one_is_a_clear_error():
             swap_average_(nn.Linear(2, 2))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def digits_shards(tmp_path_factory) -> dict:
+    pytest.importorskip("sklearn")
+    from ember.demo import write_digits_shards
+
+    return write_digits_shards(Path(tmp_path_factory.mktemp("digits")), noise_rate=0.0,
+                               maxcount=200)
+
+
+def test_ember_train_with_swap_flags_under_torchrun_writes_the_averaged_model(digits_shards,
+                                                                              tmp_path):
+    out = tmp_path / "out"
+    proc = _torchrun(["-m", "ember.cli", "train", "--data", digits_shards["train"],
+                      "--eval-data", digits_shards["test"], "--num-classes", "10", "--grayscale",
+                      "--model", "mlp", "--hidden", "64", "--epochs", "2", "--batch-size", "64",
+                      "--swap-phase2-epochs", "1", "--swap-batch-size", "16", "--swap-lr", "0.02",
+                      "--swap-bn-batches", "5", "--out", str(out), "--no-progress"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    swap = summary["swap"]
+    assert summary["world_size"] == 2 and swap["phase2_batch_size"] == 16
+    assert swap["ranks_equal"] and len(swap["rank_digests"]) == 2
+    # the ranks refined on different data orders, so their phase-2 losses differ
+    assert swap["phase2_losses"][0] != swap["phase2_losses"][1]
+    assert 0.5 < swap["eval_accuracy"] <= 1.0  # 10 classes: chance is 0.1
+    state = torch.load(out / "model.pt", weights_only=True)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 10))
+    model.load_state_dict(state)
+    assert "SWAP average of 2 ranks" in proc.stdout
+
+
+def test_ember_train_swap_in_one_process_is_a_clear_error(digits_shards, tmp_path, capsys):
+    from ember.cli import main
+
+    env = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK") if k in os.environ}
+    try:
+        code = main(["train", "--data", digits_shards["train"], "--num-classes", "10",
+                     "--grayscale", "--epochs", "1", "--swap-phase2-epochs", "1",
+                     "--out", str(tmp_path), "--no-progress"])
+    finally:
+        os.environ.update(env)
+    assert code == 2
+    assert "needs at least 2 processes, got a world size of 1" in capsys.readouterr().err
+
+
+def test_ember_train_swap_flag_errors(digits_shards, tmp_path, capsys):
+    from ember.cli import main
+
+    base = ["train", "--data", digits_shards["train"], "--num-classes", "10", "--out",
+            str(tmp_path), "--no-progress"]
+    assert main(base + ["--swap-phase2-epochs", "0"]) == 2
+    assert "--swap-phase2-epochs must be >= 1" in capsys.readouterr().err
+    assert main(base + ["--swap-phase2-epochs", "1", "--swa-start", "0"]) == 2
+    assert "cannot be combined with --swa-start" in capsys.readouterr().err
+    assert main(base + ["--swap-lr", "0.1"]) == 2
+    assert "need --swap-phase2-epochs" in capsys.readouterr().err

@@ -27,7 +27,8 @@ from torch import nn
 from ember.swa._batches import unwrap_compiled
 from ember.swa.bn import update_bn
 
-__all__ = ["SWAPResult", "average_bn_stats_", "refine_locally", "swap_average_", "swap_fit", "swap_world_size"]
+__all__ = ["SWAPResult", "average_bn_stats_", "refine_and_average", "refine_locally",
+           "swap_average_", "swap_fit", "swap_world_size"]
 
 
 def swap_world_size(group: Any = None) -> int:
@@ -188,15 +189,39 @@ def swap_fit(model: nn.Module, optimizer: torch.optim.Optimizer, large_batch_loa
         raise ValueError(f"phase2_lr must be > 0, got {phase2_lr!r}")
     phase1 = fit(model, optimizer, large_batch_loader, config, loss_fn=loss_fn,
                  eval_loader=eval_loader)
+    losses, used = refine_and_average(model, optimizer, small_batch_loader,
+                                      phase2_epochs=phase2_epochs, phase2_lr=phase2_lr,
+                                      bn_loader=bn_loader, bn_batches=bn_batches, loss_fn=loss_fn,
+                                      device=config.device, group=group)
+    return SWAPResult(model=model, phase1=phase1, phase2_losses=losses, world_size=size,
+                      bn_batches=used)
+
+
+def refine_and_average(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       small_batch_loader: Iterable, *, phase2_epochs: int = 1,
+                       phase2_lr: float | None = None, bn_loader: Iterable | None = None,
+                       bn_batches: int | None = 50,
+                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                       device: torch.device | str | None = None,
+                       group: Any = None) -> tuple[list[float], int]:
+    """SWAP's phases 2 and 3 after a data-parallel phase 1 that left every rank the same model.
+
+    Sets the optimizer's learning rate to ``phase2_lr`` (when given), runs
+    :func:`refine_locally`, averages with :func:`swap_average_`, recomputes BatchNorm on at most
+    ``bn_batches`` batches of ``bn_loader`` (default ``small_batch_loader``) and pools the
+    statistics over ranks. Returns this rank's phase-2 losses and the BatchNorm batches used.
+    """
+    swap_world_size(group)
+    if phase2_lr is not None and not phase2_lr > 0:
+        raise ValueError(f"phase2_lr must be > 0, got {phase2_lr!r}")
     if phase2_lr is not None:
         for g in optimizer.param_groups:
             g["lr"] = phase2_lr
     losses = refine_locally(model, optimizer, small_batch_loader, epochs=phase2_epochs,
-                            loss_fn=loss_fn, device=config.device)
+                            loss_fn=loss_fn, device=device)
     swap_average_(model, group=group)
-    used = update_bn(bn_loader if bn_loader is not None else small_batch_loader, model,
-                     device=config.device, max_batches=bn_batches)
+    used = update_bn(bn_loader if bn_loader is not None else small_batch_loader,
+                     unwrap_compiled(model), device=device, max_batches=bn_batches)
     if used:
         average_bn_stats_(model, group=group)
-    return SWAPResult(model=model, phase1=phase1, phase2_losses=losses, world_size=size,
-                      bn_batches=used)
+    return losses, used

@@ -24,7 +24,8 @@ _EPILOG = """\
 outputs (in --out, written by rank 0):
   checkpoints/last.pt  checkpoint after every epoch (and every --checkpoint-every steps)
   metrics.jsonl        one JSON object per step/epoch
-  model.pt             final weights (state dict); swa.pt with --swa-start
+  model.pt             final weights (state dict; with SWAP the averaged ones); swa.pt with
+                       --swa-start
   summary.json         steps, skipped steps, per-epoch history, ranks_in_sync
 
 data convention: each sample holds one image (png, jpg, jpeg, ppm, pgm, webp, ...) and an
@@ -113,6 +114,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     dp.add_argument("--max-grad-norm", type=float, default=None, metavar="C",
                     help="per-example gradient clipping bound for DP-SGD")
     dp.add_argument("--dp-noise-multiplier", type=float, default=None, help=argparse.SUPPRESS)
+    swap = p.add_argument_group(
+        "SWAP (stochastic weight averaging in parallel; needs torchrun with >= 2 processes)")
+    swap.add_argument("--swap-phase2-epochs", type=int, default=None, metavar="N",
+                      help="after the --epochs of large-batch DDP training, every rank refines "
+                      "alone for N epochs over all of --data in its own order, then the ranks' "
+                      "weights are averaged and BatchNorm recomputed (default: no SWAP)")
+    swap.add_argument("--swap-batch-size", type=int, default=None, metavar="B",
+                      help="phase-2 batch size (default: --batch-size / 4, at least 1)")
+    swap.add_argument("--swap-lr", type=float, default=None,
+                      help="phase-2 learning rate (default: --lr)")
+    swap.add_argument("--swap-bn-batches", type=int, default=50, metavar="N",
+                      help="batches per rank for the BatchNorm recomputation (default: %(default)s)")
     loop.add_argument("--seed", type=int, default=0,
                       help="seed of the data shuffle and of the ember.csprng noise stream; -1 keys "
                       "the noise from the OS (default: %(default)s)")
@@ -152,6 +165,19 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.dp_noise_multiplier is not None:
         raise ConfigError("--dp-noise-multiplier was removed (it was not differential privacy); "
                           "use --dp-epsilon E --dp-delta D --max-grad-norm C")
+    if args.swap_phase2_epochs is not None:
+        if args.swap_phase2_epochs < 1:
+            raise ConfigError(f"--swap-phase2-epochs must be >= 1, got {args.swap_phase2_epochs}")
+        if args.swap_batch_size is not None and args.swap_batch_size < 1:
+            raise ConfigError(f"--swap-batch-size must be >= 1, got {args.swap_batch_size}")
+        if args.swap_lr is not None and not args.swap_lr > 0:
+            raise ConfigError(f"--swap-lr must be > 0, got {args.swap_lr}")
+        if args.swap_bn_batches < 1:
+            raise ConfigError(f"--swap-bn-batches must be >= 1, got {args.swap_bn_batches}")
+        if args.swa_start is not None or args.dp_epsilon is not None:
+            raise ConfigError("--swap-phase2-epochs cannot be combined with --swa-start or DP-SGD")
+    elif (args.swap_batch_size, args.swap_lr) != (None, None):
+        raise ConfigError("--swap-batch-size and --swap-lr need --swap-phase2-epochs")
     dp = (args.dp_epsilon, args.dp_delta, args.max_grad_norm)
     if any(v is not None for v in dp) and any(v is None for v in dp):
         raise ConfigError("DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm")
@@ -168,6 +194,32 @@ def _in_memory_loader(stream: object, batch_size: int) -> torch.utils.data.DataL
         raise ConfigError("--data holds no samples")
     data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
     return torch.utils.data.DataLoader(data, batch_size=batch_size)
+
+
+def _swap_phases(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: object, test: object, world: object) -> dict:
+    """SWAP's phases 2 and 3 after fit's DDP phase: each rank refines alone over all the data
+    in its own shuffle, then the weights are averaged and BatchNorm recomputed."""
+    from ember.swa.swap import refine_and_average
+    from ember.train.checkpoint import weights_digest
+    from ember.train.data import image_class_loader
+    from ember.train.distributed import all_gather_objects
+    from ember.train.loop import evaluate
+
+    batch = args.swap_batch_size or max(1, args.batch_size // 4)
+    small = image_class_loader(args.data, batch, seed=max(args.seed, 0) + 1 + world.rank,
+                               shuffle=args.shuffle_buffer or 1000, grayscale=args.grayscale,
+                               num_workers=args.workers, split_ranks=False)
+    losses, used = refine_and_average(
+        model, optimizer, small, phase2_epochs=args.swap_phase2_epochs, phase2_lr=args.swap_lr,
+        bn_batches=args.swap_bn_batches, loss_fn=loss_fn)
+    digests = all_gather_objects(weights_digest(model), world)
+    record = {"phase2_epochs": args.swap_phase2_epochs, "phase2_batch_size": batch,
+              "phase2_losses": all_gather_objects(losses, world), "bn_batches": used,
+              "rank_digests": digests, "ranks_equal": len(set(digests)) == 1}
+    if test is not None and world.is_main:
+        record.update({f"eval_{k}": v for k, v in evaluate(model, test).items()})
+    return record
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
         privacy.check()
 
     world = init_from_env()  # before building loaders, so each rank reads its own shards
+    if args.swap_phase2_epochs is not None and not world.distributed:
+        raise ConfigError("SWAP (--swap-phase2-epochs) needs at least 2 processes, got a world "
+                          "size of 1: run under torchrun --nproc_per_node=N with N >= 2")
     torch.manual_seed(max(args.seed, 0))  # the same initial weights on every rank
     shape = peek_image_shape(args.data, grayscale=args.grayscale)
     model = build_model(args.model, shape, args.num_classes, args.hidden)
@@ -223,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test,
                      privacy=privacy)
+        swap_record = _swap_phases(args, result.model, optimizer, loss_fn, test, world) \
+            if args.swap_phase2_epochs is not None else None
         streams = all_gather_objects(
             hashlib.sha256(bytes(result.generator.get_state().numpy())).hexdigest()[:16], world)
     finally:
@@ -240,10 +297,15 @@ def run(args: argparse.Namespace) -> int:
                    "ranks_in_sync": len(set(result.rank_digests)) == 1,
                    "rank_streams": streams, "history": result.history,
                    "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier}
+        if swap_record is not None:
+            summary["swap"] = swap_record
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
         last = result.history[-1] if result.history else {}
         print(f"trained {result.steps} steps on {result.world_size} process(es); final train loss "
               f"{last.get('train_loss', float('nan')):.4f}"
               + (f", test accuracy {last['eval_accuracy']:.4f}" if "eval_accuracy" in last else ""))
+        if swap_record is not None and "eval_accuracy" in swap_record:
+            print(f"SWAP average of {result.world_size} ranks: test accuracy "
+                  f"{swap_record['eval_accuracy']:.4f}")
         print(f"outputs in {args.out}")
     return 0
