@@ -156,3 +156,24 @@ def test_ember_train_swap_flag_errors(digits_shards, tmp_path, capsys):
     assert "cannot be combined with --swa-start" in capsys.readouterr().err
     assert main(base + ["--swap-lr", "0.1"]) == 2
     assert "need --swap-phase2-epochs" in capsys.readouterr().err
+
+
+def test_bench_experiment_quick_one_seed_has_every_row_with_finite_metrics(monkeypatch):
+    pytest.importorskip("sklearn")
+    import importlib
+
+    # importable by name, so that the spawned SWAP processes import it too
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "bench"))
+    bench = importlib.import_module("swa_family_swap")
+    assert "SWAP" in bench.PROTOCOL
+    rows = bench.experiment(quick=True, seeds=[0])
+    assert {(r["method"], r["test_set"]) for r in rows} == {
+        (m, t) for m in bench.METHODS for t in ("clean", "pixel noise", "rotation")}
+    for r in rows:
+        assert r["experiment"] == "swap" and r["n_seeds"] == 1
+        for metric in ("accuracy", "nll", "ece"):
+            assert torch.isfinite(torch.tensor([r[f"{metric}_mean"], r[f"{metric}_std"]])).all()
+        assert 0.0 <= r["accuracy_mean"] <= 1.0
+    timed = {r["method"] for r in rows if "wall_s_mean" in r}
+    assert timed == {"small-batch SGD", "SWAP (2 processes)"}
+    assert all(r["wall_s_mean"] > 0 for r in rows if "wall_s_mean" in r)
