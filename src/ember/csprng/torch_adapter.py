@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .generator import Generator
+from .pages import advise_fresh
 from .stream import CounterExhausted
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -150,7 +151,7 @@ def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None 
     """The output tensor of a factory call (``out=`` if given), its requires_grad flag, and
     whether the tensor is new (not the caller's ``out=``)."""
     if len(kwargs) == 1:  # generator= alone: the common call, kept short
-        return torch.empty(size, dtype=default_dtype), False, True
+        return advise_fresh(torch.empty(size, dtype=default_dtype)), False, True
     out = kwargs.pop("out", None)
     dtype = kwargs.pop("dtype", None) or default_dtype
     requires_grad = bool(kwargs.pop("requires_grad", False))
@@ -168,7 +169,7 @@ def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None 
             out.resize_(size)
         return out, requires_grad, False
     t = torch.empty(size, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
-    return t, requires_grad, True
+    return (t if pin_memory else advise_fresh(t)), requires_grad, True
 
 
 def _finish(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
