@@ -8,7 +8,7 @@ of the last ``K`` deviations from the running mean, and samples
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,13 @@ class SWAG:
     (default float32) and take ``(2 + max_rank) * P`` elements for ``P`` parameters. Buffers are not
     part of the posterior: recompute BatchNorm statistics for each sample (see
     :func:`bayesian_average`).
+
+    ``diagonal=True`` keeps no deviation ring (SWAG-Diagonal, ``2 * P`` elements; ``max_rank`` is
+    ignored and 0 is allowed); every sample is then diagonal. ``params`` restricts the posterior to
+    a subset of the parameters: a sequence of parameter names (as in ``named_parameters()``, without
+    ``module.``/``_orig_mod.`` prefixes) or a predicate ``(name, parameter) -> bool``, e.g. only the
+    last layer. :meth:`collect` reads and :meth:`sample`/:meth:`load_into` write only that subset;
+    the other parameters of the model are left as they are.
     """
 
     def __init__(
@@ -39,17 +46,50 @@ class SWAG:
         model: nn.Module,
         max_rank: int = 20,
         *,
+        diagonal: bool = False,
+        params: Sequence[str] | Callable[[str, Tensor], bool] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         var_clamp: float = 1e-30,
     ) -> None:
-        if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
-            raise ValueError(f"max_rank must be an integer >= 1, got {max_rank!r}")
+        if not isinstance(diagonal, bool):
+            raise ValueError(f"diagonal must be a bool, got {diagonal!r}")
+        if diagonal:
+            if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 0:
+                raise ValueError(f"max_rank must be an integer >= 0, got {max_rank!r}")
+            max_rank = 0
+        elif isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
+            raise ValueError(f"max_rank must be an integer >= 1 (or pass diagonal=True), "
+                             f"got {max_rank!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-        params = _named_parameters(model)
-        if not params:
+        params_all = _named_parameters(model)
+        if not params_all:
             raise ValueError("model has no parameters to build a SWAG posterior over")
+        self.subset = params is not None
+        if params is None:
+            params_list = params_all
+        elif callable(params):
+            params_list = [(n, p) for n, p in params_all if params(n, p)]
+            if not params_list:
+                raise ValueError("the params predicate selected no parameter of the model")
+        else:
+            if isinstance(params, str):
+                raise ValueError("params must be a sequence of names or a predicate, not one "
+                                 f"string: pass [{params!r}]")
+            wanted = list(params)
+            by_name = dict(params_all)
+            unknown = [n for n in wanted if n not in by_name]
+            if unknown:
+                raise ValueError(f"params names not among the model's parameters: {unknown[:5]}")
+            if len(set(wanted)) != len(wanted):
+                raise ValueError("params lists a parameter name more than once")
+            if not wanted:
+                raise ValueError("params is empty: select at least one parameter")
+            chosen = set(wanted)
+            params_list = [(n, p) for n, p in params_all if n in chosen]
+        params = params_list
+        self.diagonal = diagonal
         if device is None:
             device = params[0][1].device
         self.names = [n for n, _ in params]
@@ -83,6 +123,13 @@ class SWAG:
 
     def _check_model(self, model: nn.Module) -> list[Tensor]:
         params = _named_parameters(model)
+        if self.subset:
+            by_name = dict(params)
+            missing = [n for n in self.names if n not in by_name]
+            if missing:
+                raise ValueError("model does not match this SWAG posterior: missing parameters "
+                                 f"{missing[:5]}")
+            params = [(n, by_name[n]) for n in self.names]
         names = [n for n, _ in params]
         if names != self.names:
             missing = [n for n in self.names if n not in names]
@@ -107,7 +154,10 @@ class SWAG:
         """Add the current parameters of ``model`` to the running moments and the deviation ring."""
         params = self._check_model(model)
         n = self.n_collected
-        row = self.deviations[n % self.max_rank]
+        if self.diagonal:
+            row = torch.empty(self.num_parameters, device=self.device, dtype=self.dtype)
+        else:
+            row = self.deviations[n % self.max_rank]
         # the flattened weights go straight into their ring slot, which then becomes the deviation
         offset = 0
         # non_blocking only towards an accelerator (a host destination is read right away)
@@ -135,7 +185,7 @@ class SWAG:
     def deviation_matrix(self) -> Tensor:
         """The stored deviations ``D`` as a ``(K', P)`` matrix, oldest first."""
         k = self.rank
-        if self.n_collected <= self.max_rank:
+        if self.n_collected <= self.max_rank or self.diagonal:
             return self.deviations[:k]
         start = self.n_collected % self.max_rank
         return torch.cat([self.deviations[start:], self.deviations[:start]])
@@ -164,6 +214,7 @@ class SWAG:
         paired with the i-th oldest stored deviation).
         """
         self._require_collected("sample()")
+        diag_only = diag_only or self.diagonal
         if not scale >= 0:
             raise ValueError(f"scale must be >= 0, got {scale}")
         if not diag_only and self.rank < 2:
@@ -225,6 +276,7 @@ class SWAG:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume collection or sampling."""
         return {
+            "diagonal": self.diagonal,
             "names": list(self.names),
             "shapes": [list(s) for s in self.shapes],
             "max_rank": self.max_rank,
@@ -249,6 +301,9 @@ class SWAG:
             raise ValueError(
                 f"SWAG state dict has max_rank={state['max_rank']}, this posterior {self.max_rank}"
             )
+        if bool(state.get("diagonal", False)) != self.diagonal:
+            raise ValueError(f"SWAG state dict has diagonal={state.get('diagonal', False)}, this "
+                             f"posterior diagonal={self.diagonal}")
         self.mean.copy_(state["mean"])
         if "var" in state:
             self.var.copy_(state["var"])
