@@ -1,0 +1,175 @@
+"""SWALP: SWA of low-precision training iterates (Yang et al., ICML 2019).
+
+Training runs with block-floating-point weights, gradients, momentum, activations and activation
+gradients (:func:`quantize_activations_` plus :class:`LowPrecisionOptimizer`); the SWA average of
+the low-precision weights is kept in full precision with :class:`ember.swa.SWA` (or ``fit``'s
+``swa_start``), and BatchNorm statistics are recomputed with :func:`ember.swa.update_bn`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+from ember.swa.quantize import BlockQuantizer
+
+__all__ = ["ActivationQuantization", "LowPrecisionOptimizer", "quantize_activations_"]
+
+_DEFAULT_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class _QuantizeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fwd: Any, bwd: Any, generator: Any) -> Tensor:
+        ctx.bwd, ctx.generator = bwd, generator
+        return fwd(x, generator=generator) if fwd is not None else x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        if ctx.bwd is None:
+            return grad, None, None, None
+        return ctx.bwd(grad, generator=ctx.generator), None, None, None
+
+
+class ActivationQuantization:
+    """Handle returned by :func:`quantize_activations_`; :meth:`remove` restores full precision."""
+
+    def __init__(self, handles: list[Any], modules: list[nn.Module]) -> None:
+        self._handles = handles
+        self.modules = modules
+
+    def remove(self) -> None:
+        """Remove every hook this call installed."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def quantize_activations_(
+    model: nn.Module,
+    activation: BlockQuantizer | None,
+    error: BlockQuantizer | None,
+    *,
+    types: tuple[type[nn.Module], ...] = _DEFAULT_TYPES,
+    generator: Any = None,
+) -> ActivationQuantization:
+    """Quantize the output of every submodule of ``model`` of one of ``types`` (forward) with
+    ``activation`` and the gradient flowing back into that output (backward) with ``error``.
+
+    Either quantizer may be None (that direction stays full precision). Stochastic rounding draws
+    from ``generator``. Returns a handle whose ``remove()`` undoes it. The hooks are plain forward
+    hooks, so ``copy.deepcopy`` (and averagers built from ``model``) copy them too.
+    """
+    if activation is None and error is None:
+        raise ValueError("quantize_activations_ needs an activation or an error quantizer (both None)")
+    modules = [m for m in model.modules() if isinstance(m, types)]
+    if not modules:
+        raise ValueError(f"model has no submodule of types {[t.__name__ for t in types]} to quantize")
+
+    def hook(_mod: nn.Module, _inp: Any, out: Any) -> Any:
+        if not isinstance(out, Tensor) or not out.is_floating_point():
+            return out
+        return _QuantizeFn.apply(out, activation, error, generator)
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    return ActivationQuantization(handles, modules)
+
+
+def _accumulators(state: dict[str, Any], p: Tensor) -> Iterable[Tensor]:
+    for value in state.values():
+        if isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape:
+            yield value
+
+
+class LowPrecisionOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that each :meth:`step` works on a block-floating-point grid.
+
+    Before the inner step the gradients are quantized with ``grad``; after it, every accumulator in
+    the optimizer state with the parameter's shape (SGD's ``momentum_buffer``, Adam's moments)
+    with ``momentum`` and the parameters with ``weight``. Any quantizer may be None (left in full
+    precision). Stochastic rounding draws from ``generator`` (a ``torch.Generator`` or an
+    :mod:`ember.csprng` generator). ``param_groups``, ``state``, ``state_dict()`` and
+    ``load_state_dict()`` are the inner optimizer's, so LR schedulers and ``ember.train.fit`` drive
+    it like any optimizer. Call :meth:`quantize_weights_` once before training to start on the grid.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        weight: BlockQuantizer | None = None,
+        grad: BlockQuantizer | None = None,
+        momentum: BlockQuantizer | None = None,
+        generator: Any = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for name, q in (("weight", weight), ("grad", grad), ("momentum", momentum)):
+            if q is not None and not callable(q):
+                raise TypeError(f"{name}= must be a BlockQuantizer (or None), got {type(q).__name__}")
+        # Share the inner optimizer's groups and state instead of calling Optimizer.__init__.
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.weight_quantizer, self.grad_quantizer, self.momentum_quantizer = weight, grad, momentum
+        self.generator = generator
+        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+
+    def __repr__(self) -> str:
+        return (f"LowPrecisionOptimizer({self.optimizer!r}, weight={self.weight_quantizer}, "
+                f"grad={self.grad_quantizer}, momentum={self.momentum_quantizer})")
+
+    def _params(self) -> Iterable[Tensor]:
+        for group in self.param_groups:
+            yield from group["params"]
+
+    @torch.no_grad()
+    def quantize_weights_(self) -> None:
+        """Quantize every parameter in place with the weight quantizer."""
+        if self.weight_quantizer is None:
+            return
+        for p in self._params():
+            p.copy_(self.weight_quantizer(p, generator=self.generator))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Quantize gradients, take the inner step, then quantize accumulators and weights."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.grad_quantizer is not None:
+            for p in self._params():
+                if p.grad is not None:
+                    p.grad.copy_(self.grad_quantizer(p.grad, generator=self.generator))
+        self.optimizer.step()
+        for p in self._params():
+            if self.momentum_quantizer is not None and p in self.state:
+                for buf in _accumulators(self.state[p], p):
+                    buf.copy_(self.momentum_quantizer(buf, generator=self.generator))
+        self.quantize_weights_()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self.state = self.optimizer.state
+        self.param_groups = self.optimizer.param_groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
