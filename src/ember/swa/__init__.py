@@ -24,8 +24,10 @@ from ember.swa.metrics import (
     predictive_entropy,
 )
 from ember.swa.plots import reliability_diagram
+from ember.swa.quantize import BlockQuantizer, block_quantize
 from ember.swa.schedules import CyclicSWALR, cyclic_lr, is_cycle_end
 from ember.swa.swag import SWAG, MultiSWAG, bayesian_average
+from ember.swa.swalp import LowPrecisionOptimizer, quantize_activations_
 from ember.swa.swap import refine_locally, swap_average_, swap_fit, swap_world_size
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "SWAG",
     "SWALR",
     "AveragedModel",
+    "BlockQuantizer",
     "CyclicSWALR",
     "MultiSWAG",
     "accuracy",
@@ -41,6 +44,7 @@ __all__ = [
     "brier_score",
     "calibration_bins",
     "cyclic_lr",
+    "block_quantize",
     "ema_decay",
     "expected_calibration_error",
     "get_ema_avg_fn",
@@ -48,8 +52,10 @@ __all__ = [
     "get_swa_avg_fn",
     "get_swa_multi_avg_fn",
     "is_cycle_end",
+    "LowPrecisionOptimizer",
     "nll",
     "predictive_entropy",
+    "quantize_activations_",
     "refine_locally",
     "reliability_diagram",
     "swap_average_",
