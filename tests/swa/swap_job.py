@@ -56,12 +56,26 @@ def main(out: Path) -> None:
     config = TrainConfig(epochs=2, swag_rank=None, progress=False, seed=0)
     result = swap.swap_fit(model, optimizer, large, small, config, phase2_epochs=1,
                            phase2_lr=0.05, bn_batches=10)
+    # BatchNorm statistics as update_bn computes them on both ranks' first 10 phase-2 batches
+    import copy
+
+    from ember.swa import update_bn
+
+    both = []
+    for r in range(size):
+        o = torch.randperm(len(x), generator=torch.Generator().manual_seed(1000 + r))
+        both += [(x[o][i:i + 16], y[o][i:i + 16]) for i in range(0, 160, 16)]
+    reference = copy.deepcopy(model)
+    update_bn(both, reference)
+    bn_ref = reference[1]
     bn = model[1]
     record = {"rank": rank, "world_size": result.world_size, "bn_batches": result.bn_batches,
               "phase1": captured["phase1"], "phase1_steps": result.phase1.steps,
               "phase2": captured["phase2"],
               "final": [p.detach().reshape(-1).tolist() for p in model.parameters()],
               "bn_mean": bn.running_mean.tolist(), "bn_var": bn.running_var.tolist(),
+              "bn_mean_all_batches": bn_ref.running_mean.tolist(),
+              "bn_var_all_batches": bn_ref.running_var.tolist(),
               "phase2_losses": result.phase2_losses}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

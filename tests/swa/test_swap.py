@@ -70,11 +70,16 @@ def test_phase1_is_in_sync_and_phase2_weights_differ_between_ranks(two_ranks):
     assert two_ranks[0]["phase2_losses"] != two_ranks[1]["phase2_losses"]
 
 
-def test_batchnorm_statistics_recomputed_and_equal_on_every_rank(two_ranks):
+def test_batchnorm_statistics_recomputed_equal_on_every_rank_and_pooled_exactly(two_ranks):
     assert [r["bn_batches"] for r in two_ranks] == [10, 10]
     assert two_ranks[0]["bn_mean"] == two_ranks[1]["bn_mean"]
     assert two_ranks[0]["bn_var"] == two_ranks[1]["bn_var"]
     assert min(two_ranks[0]["bn_var"]) > 0
+    # averaging the ranks' statistics equals update_bn on both ranks' batches together
+    for key in ("bn_mean", "bn_var"):
+        torch.testing.assert_close(torch.tensor(two_ranks[0][key]),
+                                   torch.tensor(two_ranks[0][key + "_all_batches"]),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_without_a_process_group_swap_refuses():

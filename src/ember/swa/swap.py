@@ -8,7 +8,7 @@ Three phases on ``torch.distributed`` (gloo on CPU, NCCL on GPUs):
    own data order, with no gradient all-reduce, so the ranks' weights drift apart;
 3. :func:`swap_average_`: one all-reduce replaces every rank's weights by the mean over ranks,
    then BatchNorm statistics are recomputed for the averaged weights on a bounded number of batches
-   on every rank and pooled over the ranks (:func:`average_bn_stats_`), so all ranks end equal.
+   on every rank and averaged over the ranks (:func:`average_bn_stats_`), so all ranks end equal.
 
 :func:`swap_fit` runs the three phases. SWAP needs at least two processes: with one, the average is
 the model itself and the method is plain training, so a world size of 1 is an error.
@@ -86,26 +86,25 @@ def swap_average_(model: nn.Module, *, group: Any = None) -> nn.Module:
 
 @torch.no_grad()
 def average_bn_stats_(model: nn.Module, *, group: Any = None) -> nn.Module:
-    """Pool the BatchNorm running statistics that every rank computed on its own batches.
+    """Average the BatchNorm running statistics that every rank computed on its own batches.
 
-    The mean becomes the mean of the ranks' means and the variance the pooled variance
-    (mean of the variances plus the variance of the means), so every rank ends with the same
-    statistics, as if computed on all ranks' batches (each rank weighted equally). Returns ``model``.
+    After :func:`ember.swa.update_bn` on the same number of batches per rank, the mean over ranks
+    of the running means and variances is exactly what ``update_bn`` gives on all ranks' batches
+    together (an equal-weight average over batches), so every rank ends with the same
+    statistics. Returns ``model``.
     """
     size = swap_world_size(group)
     from ember.swa.bn import _stat_modules
 
     for layer in _stat_modules(unwrap_compiled(model)):
-        mean, var = layer.running_mean, layer.running_var
-        if var is None:
-            dist.all_reduce(mean, group=group)
-            mean.div_(size)
-            continue
-        stacked = torch.stack([mean, var + mean * mean])
-        dist.all_reduce(stacked, group=group)
-        stacked.div_(size)
-        mean.copy_(stacked[0])
-        var.copy_(stacked[1] - stacked[0] * stacked[0])
+        stats = [layer.running_mean] + ([layer.running_var] if layer.running_var is not None else [])
+        flat = torch.cat([t.reshape(-1) for t in stats])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for t in stats:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
     return model
 
 
@@ -176,7 +175,7 @@ def swap_fit(model: nn.Module, optimizer: torch.optim.Optimizer, large_batch_loa
     :func:`refine_locally` for ``phase2_epochs`` on ``small_batch_loader`` (this rank's own data
     order), with the optimizer's learning rate set to ``phase2_lr`` when given. Phase 3 is
     :func:`swap_average_`, then :func:`ember.swa.update_bn` on at most ``bn_batches`` batches of
-    ``bn_loader`` (default: ``small_batch_loader``) on every rank, pooled over ranks with
+    ``bn_loader`` (default: ``small_batch_loader``) on every rank, averaged over ranks with
     :func:`average_bn_stats_`. The process group is left initialised.
     """
     from ember.train.loop import TrainConfig, fit
@@ -208,8 +207,9 @@ def refine_and_average(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     Sets the optimizer's learning rate to ``phase2_lr`` (when given), runs
     :func:`refine_locally`, averages with :func:`swap_average_`, recomputes BatchNorm on at most
-    ``bn_batches`` batches of ``bn_loader`` (default ``small_batch_loader``) and pools the
-    statistics over ranks. Returns this rank's phase-2 losses and the BatchNorm batches used.
+    ``bn_batches`` batches of ``bn_loader`` (default ``small_batch_loader``) and averages the
+    statistics over ranks (:func:`average_bn_stats_`). Returns this rank's phase-2 losses and the
+    number of BatchNorm batches used.
     """
     swap_world_size(group)
     if phase2_lr is not None and not phase2_lr > 0:
