@@ -9,7 +9,13 @@ from ember.shards.dataset import ShardDataset, ShardLoader, iter_shard, rank_and
 from ember.shards.decode import Decoder, handle_extension, imagehandler
 from ember.shards.errors import DecodeError, FormatError, ShardError, TruncatedShardError
 from ember.shards.format import group_samples, split_name
-from ember.shards.stages import default_collate
+from ember.shards.stages import (
+                                 default_collate,
+                                 ignore_and_continue,
+                                 reraise_exception,
+                                 warn_and_continue,
+                                 warn_and_stop,
+)
 from ember.shards.urls import UrlOptions, expand_urls, local_path, open_url
 from ember.shards.writer import ShardWriter, TarWriter, encode_field
 
@@ -18,6 +24,7 @@ __all__ = [
     "Decoder", "handle_extension", "imagehandler",
     "ShardError", "FormatError", "TruncatedShardError", "DecodeError",
     "split_name", "group_samples", "default_collate",
+    "reraise_exception", "warn_and_continue", "ignore_and_continue", "warn_and_stop",
     "expand_urls", "open_url", "local_path", "UrlOptions",
     "TarWriter", "ShardWriter", "encode_field",
 ]

@@ -319,19 +319,38 @@ class ShardDataset(IterableDataset):
         return self._with("shuffle", int(bufsize), initial)
 
     def decode(self, *handlers: str | Callable, only: str | list[str] | None = None,
-               allow_pickle: bool = False, max_pixels: int | None = 89_478_485) -> ShardDataset:
+               allow_pickle: bool = False, max_pixels: int | None = 89_478_485,
+               handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
         """Decode fields by extension; image specs (``"pil"``, ``"rgb8"``, ``"torchrgb"``, ...)
-        and handler callables ``(ext, data) -> value or None`` are tried first."""
+        and handler callables ``(ext, data) -> value or None`` are tried first.
+
+        Without ``handler``, a DecodeError goes to the dataset's ``on_error``; with it, any
+        exception while decoding a sample goes to ``handler`` (see :meth:`map`)."""
         decoder = Decoder(*handlers, only=only, allow_pickle=allow_pickle, max_pixels=max_pixels)
-        return self._with("decode", decoder)
+        return self._with("decode", decoder, _check_handler(handler))
 
-    def map(self, fn: Callable[[Any], Any]) -> ShardDataset:
-        """Apply ``fn`` to every item."""
-        return self._with("map", fn)
+    def map(self, fn: Callable[[Any], Any], *,
+            handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
+        """Apply ``fn`` to every item.
 
-    def map_dict(self, **fns: Callable) -> ShardDataset:
-        """Apply ``fns[field]`` to those fields of every sample dict."""
-        return self._with("map_dict", fns)
+        ``handler`` (as in webdataset) gets any exception raised for an item: it returns True to
+        skip the item, False to end the stream, or raises (``reraise_exception``,
+        ``warn_and_continue``, ``ignore_and_continue``, ``warn_and_stop``). Skipped items are
+        counted in ``error_count``. Default: the exception propagates."""
+        return self._with("map", fn, _check_handler(handler))
+
+    def map_dict(self, *, handler: Callable[[Exception], Any] | None = None,
+                 **fns: Callable) -> ShardDataset:
+        """Apply ``fns[field]`` to those fields of every sample dict (``handler`` as in map)."""
+        return self._with("map_dict", fns, _check_handler(handler))
+
+    def map_tuple(self, *fns: Callable | None,
+                  handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
+        """Apply ``fns[i]`` to element ``i`` of every tuple item; None keeps the element
+        (``handler`` as in map)."""
+        if not fns or not all(f is None or callable(f) for f in fns):
+            raise TypeError(f"expected map_tuple(*fns) with callables or None, got {fns!r}")
+        return self._with("map_tuple", tuple(fns), _check_handler(handler))
 
     def rename(self, keep: bool = True, **renames: str) -> ShardDataset:
         """Rename fields, ``new="old1;old2"`` (first present); ``keep=False`` drops the others."""
@@ -341,9 +360,30 @@ class ShardDataset(IterableDataset):
         """Keep items for which ``predicate(item)`` is true."""
         return self._with("select", predicate)
 
-    def to_tuple(self, *fields: str, missing_ok: bool = False) -> ShardDataset:
-        """Turn dicts into tuples: ``to_tuple("jpg;png cls")`` -> (jpg or png, cls)."""
-        return self._with("to_tuple", fields, missing_ok)
+    def to_tuple(self, *fields: str, missing_ok: bool = False,
+                 handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
+        """Turn dicts into tuples: ``to_tuple("jpg;png cls")`` -> (jpg or png, cls)
+        (``handler`` as in map, e.g. to skip samples missing a field)."""
+        return self._with("to_tuple", fields, missing_ok, _check_handler(handler))
+
+    def slice(self, *args: int | None) -> ShardDataset:
+        """``itertools.islice`` on each reading stream: ``slice(stop)`` or
+        ``slice(start, stop[, step])`` (per pass, per rank x worker stream)."""
+        if not 1 <= len(args) <= 3:
+            raise TypeError(f"slice expected 1 to 3 arguments, got {len(args)}")
+        s = slice(*args)
+        start, stop, step = s.start or 0, s.stop, 1 if s.step is None else s.step
+        if int(start) < 0 or (stop is not None and int(stop) < 0) or int(step) < 1:
+            raise ValueError(f"slice: expected start >= 0, stop >= 0 or None and step >= 1, "
+                             f"got {args!r}")
+        return self._with("slice", int(start), None if stop is None else int(stop), int(step))
+
+    def rsample(self, p: float = 0.5) -> ShardDataset:
+        """Keep each item with probability ``p``, drawn from the pipeline's generator
+        (reproducible per seed and epoch, and resumed exactly)."""
+        if not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"expected rsample probability in [0, 1], got {p!r}")
+        return self._with("rsample", float(p))
 
     def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
                 partial: bool = True) -> ShardDataset:
@@ -509,6 +549,12 @@ class ShardDataset(IterableDataset):
                 g = self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
                                                      world, worker, num_workers, i))
                 src = stages.shuffle(src, p[0], p[1], g)
+            elif kind == "rsample":
+                g = self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
+                                                     world, worker, num_workers, i))
+                src = stages.rsample(src, p[0], g)
+            elif kind == "slice":
+                src = stages.islice_stream(src, p[0], p[1], p[2])
             elif kind == "batched":
                 collate = _collate_unless_skipped(p[1]) if skipping else p[1]
                 src = stages.batched(src, p[0], collate, p[2])
@@ -559,9 +605,11 @@ class ShardDataset(IterableDataset):
         """Whether how many items a stream yields, and which samples each is made of, depend on
         sample counts only (no select, no decode errors skipped), so the delivered part of a
         resumed stream can be worked out from indexes without reading it."""
-        for kind, _ in self.stages:
+        for kind, p in self.stages:
             if kind == "select" or (kind == "decode" and self.on_error != "raise"):
                 return False
+            if kind in _HANDLED and p[-1] is not None:
+                return False  # a handler may skip items
         return True
 
     def _resumed_items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
@@ -726,14 +774,35 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+_HANDLED = ("decode", "map", "map_dict", "map_tuple", "to_tuple")
+
+
+def _check_handler(handler: Callable[[Exception], Any] | None) -> Callable | None:
+    if handler is not None and not callable(handler):
+        raise TypeError(f"expected handler= to be None or a callable taking the exception "
+                        f"(e.g. warn_and_continue), got {handler!r}")
+    return handler
+
+
 def _one_to_one(kind: str, p: tuple, policy: _ErrorPolicy) -> Callable[[Iterator], Iterator]:
-    """The stage for a pipeline entry that turns each item into exactly one item."""
+    """The stage for a pipeline entry that turns each item into at most one item (exactly one
+    unless it has a handler= or is a select)."""
+    if kind in _HANDLED and p[-1] is not None:
+        handler = p[-1]
+        one = _per_item(kind, p[:-1])
+
+        def count() -> None:
+            policy.count += 1
+
+        return lambda src: stages.handled(src, one, handler, count)
     if kind == "decode":
         return lambda src: stages.decode(src, p[0], policy)
     if kind == "map":
         return lambda src: stages.map_samples(src, p[0])
     if kind == "map_dict":
         return lambda src: stages.map_dict(src, p[0])
+    if kind == "map_tuple":
+        return lambda src: stages.map_tuple(src, p[0])
     if kind == "rename":
         return lambda src: stages.rename(src, p[0], p[1])
     if kind == "select":
@@ -741,6 +810,16 @@ def _one_to_one(kind: str, p: tuple, policy: _ErrorPolicy) -> Callable[[Iterator
     if kind == "to_tuple":
         return lambda src: stages.to_tuple(src, p[0], p[1])
     raise AssertionError(kind)  # pragma: no cover
+
+
+def _per_item(kind: str, p: tuple) -> Callable[[Any], Any]:
+    """The function of item to item that a one-to-one stage applies."""
+    if kind in ("decode", "map"):
+        return p[0]
+    gen = {"map_dict": lambda src: stages.map_dict(src, p[0]),
+           "map_tuple": lambda src: stages.map_tuple(src, p[0]),
+           "to_tuple": lambda src: stages.to_tuple(src, p[0], p[1])}[kind]
+    return lambda item: next(gen(iter((item,))))
 
 
 # ---- resuming through indexes ---------------------------------------------------------------
@@ -1060,7 +1139,7 @@ class ShardLoader:
         state = {"version": STATE_VERSION, "epoch": self.epoch, "seed": self.dataset.seed,
                  "num_workers": self._streams, "consumed": list(self._consumed),
                  "next": self._next, "num_shards": len(self.dataset.urls),
-                 "transfer_group": self._group}
+                 "transfer_group": self._group, "errors": list(self._errors)}
         if self._stages:
             state["loader_stages"] = self._running.state() if self._running is not None else None
             state["loader_drained"] = self._drained

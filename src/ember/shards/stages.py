@@ -5,14 +5,17 @@ Stages know nothing about each other or about shards; ShardDataset's fluent meth
 
 from __future__ import annotations
 
+import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["shuffle", "map_samples", "map_dict", "rename", "select", "to_tuple", "batched",
-           "default_collate", "decode"]
+__all__ = ["shuffle", "map_samples", "map_dict", "map_tuple", "rename", "select", "to_tuple",
+           "batched", "default_collate", "decode", "handled", "islice_stream", "rsample",
+           "reraise_exception", "warn_and_continue", "ignore_and_continue", "warn_and_stop"]
 
 _BLOCK = 1024
 
@@ -49,6 +52,80 @@ def shuffle(src: Iterable, bufsize: int, initial: int | None, generator: torch.G
         yield buf.pop()
     for j in torch.randperm(len(buf), generator=generator).tolist():
         yield buf[j]
+
+
+# ---- exception handlers (webdataset's names and meaning: return True to skip the item and go on,
+# False to end the stream, or raise) --------------------------------------------------------------
+
+def reraise_exception(exn: Exception) -> bool:
+    """Handler that raises the exception again (the default of every stage)."""
+    raise exn
+
+
+def warn_and_continue(exn: Exception) -> bool:
+    """Handler that warns with the exception and skips the item."""
+    warnings.warn(f"skipped an item: {type(exn).__name__}: {exn}", stacklevel=2)
+    return True
+
+
+def ignore_and_continue(exn: Exception) -> bool:
+    """Handler that skips the item silently (it is still counted)."""
+    return True
+
+
+def warn_and_stop(exn: Exception) -> bool:
+    """Handler that warns with the exception and ends the stream."""
+    warnings.warn(f"stream stopped: {type(exn).__name__}: {exn}", stacklevel=2)
+    return False
+
+
+def handled(src: Iterable, fn: Callable[[Any], Any], handler: Callable[[Exception], Any],
+            count: Callable[[], None]) -> Iterator:
+    """Apply ``fn`` to every item; an exception goes to ``handler``: a true result skips the
+    item (``count()`` is called), a false one ends the stream, or the handler raises."""
+    if not callable(handler):
+        raise TypeError(f"expected handler= to be a callable taking the exception, got {handler!r}")
+    for item in src:
+        try:
+            out = fn(item)
+        except Exception as exc:
+            if handler(exc):
+                count()
+                continue
+            count()
+            return
+        yield out
+
+
+def islice_stream(src: Iterable, start: int, stop: int | None, step: int) -> Iterator:
+    """``itertools.islice(src, start, stop, step)``."""
+    return itertools.islice(src, start, stop, step)
+
+
+def rsample(src: Iterable, p: float, generator: torch.Generator) -> Iterator:
+    """Keep each item with probability ``p``: one uniform draw from ``generator`` per item,
+    whatever the item is, so the kept positions depend on the generator only."""
+    draws: list[float] = []
+    di = 0
+    for item in src:
+        if di == len(draws):
+            draws = torch.rand(_BLOCK, generator=generator, dtype=torch.float64).tolist()
+            di = 0
+        keep = draws[di] < p
+        di += 1
+        if keep:
+            yield item
+
+
+def map_tuple(src: Iterable[tuple], fns: tuple[Callable | None, ...]) -> Iterator[tuple]:
+    """Apply ``fns[i]`` to element ``i`` of every tuple (None leaves it as it is)."""
+    for item in src:
+        if not isinstance(item, (tuple, list)) or len(item) != len(fns):
+            raise ValueError(f"map_tuple with {len(fns)} functions got an item of type "
+                             f"{type(item).__name__}"
+                             + (f" with {len(item)} elements" if isinstance(item, (tuple, list))
+                                else ""))
+        yield tuple(x if f is None else f(x) for f, x in zip(fns, item, strict=True))
 
 
 def map_samples(src: Iterable, fn: Callable[[Any], Any]) -> Iterator:
