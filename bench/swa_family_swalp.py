@@ -23,7 +23,7 @@ Data: scikit-learn's digits, pixels/16 as float32, stratified 70/30 train/test s
 random_state=0; test sets "clean", "pixel noise" and "rotation" from ember.demo.shifted_test_sets.
 Model: MLP 64-128-BN-ReLU-128-BN-ReLU-10, SGD momentum 0.9, weight decay 5e-4, batch 32,
 cross-entropy; initial weights from torch.manual_seed(seed), the same for every method; data order
-from a torch.Generator seeded with seed. Budget: 30 epochs (quick: 6) for every method.
+from a torch.Generator seeded with seed. Budget: 30 epochs (quick: 4) for every method.
 Quantizer (8-bit runs): ember.swa.BlockQuantizer(wl=8), block floating point with stochastic
 rounding from an ember.csprng generator keyed with seed; weights, weight gradients and momentum
 one block per row (dim=0; biases one block), activations (outputs of every Linear) and their
@@ -125,7 +125,7 @@ def experiment(*, quick: bool, seeds: Sequence[int]) -> list[dict]:
 
     if not seeds:
         raise ValueError("experiment needs at least one seed")
-    epochs = 6 if quick else 30
+    epochs = 4 if quick else 30
     xtr, ytr, xte, yte = _data()
     tests = shifted_test_sets(xte)
     per: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -156,7 +156,7 @@ def experiment(*, quick: bool, seeds: Sequence[int]) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 epochs, seeds 0..2")
+    parser.add_argument("--quick", action="store_true", help="4 epochs instead of 30")
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args(argv)
     t0 = time.perf_counter()

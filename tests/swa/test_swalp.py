@@ -58,6 +58,16 @@ def test_nearest_matches_numpy_reference():
             np.testing.assert_array_equal(ours, _numpy_bfp_nearest(x.numpy(), wl))
 
 
+def test_extreme_magnitudes_float32():
+    for scale in (1e-38, 3e-39, 1e38):  # near float32's smallest normal, subnormal, near its max
+        x = torch.randn(64, generator=torch.Generator().manual_seed(4)) * scale
+        x32 = x.to(torch.float32)
+        ours = block_quantize(x32, 8, rounding="nearest")
+        assert ours.dtype == torch.float32 and torch.isfinite(ours).all()
+        ref = _numpy_bfp_nearest(x32.double().numpy(), 8)
+        np.testing.assert_array_equal(ours.double().numpy(), ref)
+
+
 def test_per_row_and_fixed_blocks_match_reference_per_block():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 9, generator=g, dtype=torch.float64)

@@ -48,6 +48,13 @@ def _block_max(a: Tensor, dim: int | None, block_size: int | None) -> Tensor:
     return a.amax(dim=others, keepdim=True) if others else a
 
 
+def _times_pow2(t: Tensor, k: Tensor) -> Tensor:
+    """``t * 2^k`` for integer-valued ``k``, in two factors so neither overflows nor underflows
+    for exponents up to twice the dtype's range (e.g. tiny gradients in float32)."""
+    half = torch.floor(k / 2)
+    return t * torch.exp2(half) * torch.exp2(k - half)
+
+
 def block_quantize(
     x: Tensor,
     wl: int,
@@ -74,24 +81,24 @@ def block_quantize(
     if x.numel() == 0:
         return x.clone()
     work = x.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    if not bool(torch.isfinite(work).all()):
-        raise ValueError("block_quantize got non-finite values (inf or nan); they have no BFP encoding")
     if dim is not None and x.dim() > 0 and not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim={dim} out of range for a tensor with {x.dim()} dimensions")
     maxabs = _block_max(work.abs(), dim, block_size)
+    if not bool(torch.isfinite(maxabs).all()):  # nan and inf propagate through the block max
+        raise ValueError("block_quantize got non-finite values (inf or nan); they have no BFP encoding")
     _, exp = torch.frexp(maxabs)  # maxabs = m * 2^exp, m in [0.5, 1): floor(log2 maxabs) = exp - 1
-    shift = (exp - 1) - (wl - 2)  # value of one mantissa step is 2^shift
-    v = torch.ldexp(work, -shift)  # exact: multiplication by a power of two
+    # One mantissa step is 2^shift; scaling by powers of two is exact. A zero block has exp 0 and
+    # all-zero values, which round to zero under both roundings.
+    shift = ((exp - 1) - (wl - 2)).to(work.dtype)
+    v = _times_pow2(work, -shift)
     if rounding == "nearest":
         r = torch.round(v)
     else:
-        f = torch.floor(v)
+        r = torch.floor(v)
         u = torch.rand(v.shape, generator=generator, dtype=v.dtype, device=v.device)
-        r = f + (u < (v - f)).to(v.dtype)
+        r += u < (v - r)
     lim = float(2 ** (wl - 1))
-    r = r.clamp_(-lim, lim - 1)
-    out = torch.ldexp(r, shift)
-    out = torch.where(maxabs == 0, torch.zeros_like(out), out)
+    out = _times_pow2(r.clamp_(-lim, lim - 1), shift)
     return out.to(x.dtype)
 
 
