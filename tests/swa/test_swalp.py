@@ -240,3 +240,22 @@ def test_lowprecision_optimizer_under_fit():
     assert result is not None
     with torch.no_grad():
         assert (model(x).argmax(1) == y).float().mean().item() > 0.5
+
+
+def test_bench_experiment_quick_structure():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "swa_family_swalp.py"
+    spec = importlib.util.spec_from_file_location("swa_family_swalp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert "8-bit SWALP" in mod.PROTOCOL
+    rows = mod.experiment(quick=True, seeds=[0])
+    assert {(r["method"], r["test_set"]) for r in rows} == {
+        (m, t) for m in mod.METHODS for t in ("clean", "pixel noise", "rotation")}
+    for r in rows:
+        assert r["experiment"] == "swalp" and r["n_seeds"] == 1
+        for k in ("accuracy", "nll", "ece", "wall_s"):
+            assert math.isfinite(r[f"{k}_mean"]) and math.isfinite(r[f"{k}_std"])
+        assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["nll_mean"] >= 0.0
