@@ -106,3 +106,32 @@ def test_resume_is_bit_identical_with_dataloader_workers(digits_shards, tmp_path
     resumed = _final(_run(urls, tmp_path / "cut", workers=2, epochs=2, swa_start=1, checkpoint_every=2,
                           resume="auto"))
     _assert_same(reference, resumed)
+
+
+@pytest.mark.parametrize("options", [
+    # fast-SWA: cyclic rate per step, collection every 2 steps in the late half of each cycle,
+    # a diagonal SWAG over the last layer, the user's scheduler stepped per step, an EMA
+    dict(swa_schedule="cyclic", swa_cycle=4, swa_lr_max=0.05, swa_every_steps=2,
+         swag_diagonal=True, swag_params=("4.weight", "4.bias"), scheduler_interval="step",
+         ema_decay=0.9),
+    # every-N collection under a linear SWALR anneal and a constant rate
+    dict(swa_every_steps=3, swa_anneal_strategy="linear", swa_anneal_epochs=2),
+    dict(swa_every_steps=5, swa_schedule="constant"),
+], ids=["fastswa", "every-steps-linear", "constant"])
+def test_resume_is_bit_identical_with_step_collection_options(digits_shards, tmp_path, options):
+    urls = digits_shards["train_small"]
+    reference = _run(urls, tmp_path / "ref", **options)
+    # more collections than the 2 SWA-phase epochs: collection really happens within epochs
+    assert reference.steps > 27 and reference.swa.n_updates > 2
+    ref = _final(reference)
+    with pytest.raises(Killed):
+        _run(urls, tmp_path / "cut", kill_at=27, checkpoint_every=3, **options)
+    torch.manual_seed(12345)
+    resumed = _run(urls, tmp_path / "cut", resume="auto", checkpoint_every=3, **options)
+    _assert_same(ref, _final(resumed))
+    assert resumed.swa.n_updates == reference.swa.n_updates
+    if reference.ema is not None:
+        assert weights_digest(resumed.ema.module) == weights_digest(reference.ema.module)
+    # a resumed run with a different collection setting is refused
+    with pytest.raises(ConfigError, match="swa_every_steps"):
+        _run(urls, tmp_path / "cut", resume="auto", **{**options, "swa_every_steps": 1})

@@ -10,6 +10,7 @@ optimizer steps, so a resumed run repeats exactly what the interrupted one would
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -21,8 +22,10 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from ember.swa import EMA, SWA, SWAG, SWALR, update_bn
+from ember.swa import EMA, SWA, SWAG, SWALR, CyclicSWALR, update_bn
 from ember.swa.bn import has_running_stats
+from ember.swa.fastswa import FastSWASchedule
+from ember.swa.schedules import is_cycle_end
 from ember.train.checkpoint import (
     CHECKPOINT_NAME,
     find_checkpoint,
@@ -42,6 +45,9 @@ from ember.train.privacy import PrivacyConfig
 __all__ = ["TrainConfig", "TrainResult", "evaluate", "fit", "predict"]
 
 
+SWA_SCHEDULES = ("anneal", "constant", "cyclic")
+
+
 @dataclass
 class TrainConfig:
     """Options of :func:`fit` (checked by :meth:`check`; every mistake is a :class:`ConfigError`).
@@ -53,8 +59,20 @@ class TrainConfig:
       left over at the end of an epoch are discarded and counted.
     - ``max_grad_norm``: clip the total gradient norm (after unscaling) to this.
     - ``swa_start``: first epoch (0-based) of the SWA phase, or None for no SWA. In the phase the
-      learning rate follows SWALR to ``swa_lr`` over ``swa_anneal_epochs`` and, after each epoch,
-      the weights are added to SWA and (if ``swag_rank``) to a SWAG posterior of that rank.
+      learning rate follows ``swa_schedule`` and, after each epoch (or every ``swa_every_steps``
+      optimizer steps), the weights are added to SWA and (if ``swag_rank``) to a SWAG posterior of
+      that rank. ``swa_schedule``: ``"anneal"`` (SWALR to ``swa_lr`` over ``swa_anneal_epochs``
+      epochs, ``swa_anneal_strategy`` ``"cos"`` or ``"linear"``), ``"constant"`` (``swa_lr`` from
+      the first step of the phase) or ``"cyclic"`` (per step from ``swa_lr_max`` down to
+      ``swa_lr`` in cycles of ``swa_cycle`` steps; collection at each cycle end, or, with
+      ``swa_every_steps``, fast-SWA: every that many steps back from each cycle end within the
+      second half of the cycle, see :class:`ember.swa.FastSWASchedule`).
+    - SWAG: ``swag_device`` (where its statistics live, CPU by default), ``swag_diagonal``
+      (no deviation ring), ``swag_params`` (parameter names to build the posterior over).
+    - ``scheduler_interval``: step the user's ``scheduler`` after every ``"epoch"`` or every
+      optimizer ``"step"`` (outside the SWA phase).
+    - ``bn_batches``: at most that many batches of ``bn_loader`` for each BatchNorm
+      recomputation of the SWA model (None: all).
     - ``ema_decay``: keep an :class:`ember.swa.EMA` of the weights, updated after every optimizer
       step, with the warm-up of :func:`ember.swa.ema_decay` unless ``ema_warmup=False``; it is
       checkpointed and returned as ``TrainResult.ema``.
@@ -78,6 +96,16 @@ class TrainConfig:
     swa_lr: float | None = None
     swa_anneal_epochs: int = 1
     swag_rank: int | None = 20
+    swa_every_steps: int | None = None
+    swa_schedule: str = "anneal"
+    swa_anneal_strategy: str = "cos"
+    swa_lr_max: float | None = None
+    swa_cycle: int | None = None
+    swag_diagonal: bool = False
+    swag_device: str = "cpu"
+    swag_params: tuple[str, ...] | None = None
+    scheduler_interval: str = "epoch"
+    bn_batches: int | None = None
     ema_decay: float | None = None
     ema_warmup: bool = True
     noise_multiplier: float | None = None
@@ -121,6 +149,44 @@ class TrainConfig:
                 raise ConfigError(f"swa_start needs swa_lr > 0, got swa_lr={self.swa_lr!r}")
         elif self.swa_lr is not None:
             raise ConfigError("swa_lr is set but swa_start is None (no SWA phase)")
+        positive_int("swa_every_steps", self.swa_every_steps, allow_none=True)
+        positive_int("swa_cycle", self.swa_cycle, allow_none=True)
+        positive_int("bn_batches", self.bn_batches, allow_none=True)
+        if self.swa_every_steps is not None and self.swa_start is None:
+            raise ConfigError("swa_every_steps is set but swa_start is None (no SWA phase)")
+        if self.swa_schedule not in SWA_SCHEDULES:
+            raise ConfigError(f"unknown swa_schedule {self.swa_schedule!r}; expected one of "
+                              f"{', '.join(SWA_SCHEDULES)}")
+        if self.swa_anneal_strategy not in ("cos", "linear"):
+            raise ConfigError(f"swa_anneal_strategy must be 'cos' or 'linear', got "
+                              f"{self.swa_anneal_strategy!r}")
+        if self.swa_schedule == "cyclic":
+            if self.swa_start is None:
+                raise ConfigError("swa_schedule='cyclic' needs swa_start (the SWA phase)")
+            if self.swa_cycle is None:
+                raise ConfigError("swa_schedule='cyclic' needs swa_cycle (steps per cycle)")
+            if self.swa_lr_max is None or not self.swa_lr_max >= self.swa_lr:
+                raise ConfigError(f"swa_schedule='cyclic' needs swa_lr_max >= swa_lr, got "
+                                  f"swa_lr_max={self.swa_lr_max!r}, swa_lr={self.swa_lr!r}")
+            if self.swa_every_steps is not None and self.swa_every_steps > self.swa_cycle:
+                raise ConfigError(f"swa_every_steps={self.swa_every_steps} is longer than "
+                                  f"swa_cycle={self.swa_cycle}")
+        else:
+            if self.swa_cycle is not None or self.swa_lr_max is not None:
+                raise ConfigError("swa_cycle and swa_lr_max are for swa_schedule='cyclic', got "
+                                  f"swa_schedule={self.swa_schedule!r}")
+        if self.scheduler_interval not in ("epoch", "step"):
+            raise ConfigError(f"scheduler_interval must be 'epoch' or 'step', got "
+                              f"{self.scheduler_interval!r}")
+        if not isinstance(self.swag_diagonal, bool):
+            raise ConfigError(f"swag_diagonal must be a bool, got {self.swag_diagonal!r}")
+        if self.swag_rank is None and (self.swag_diagonal or self.swag_params is not None):
+            raise ConfigError("swag_diagonal/swag_params are set but swag_rank is None (no SWAG)")
+        if self.swag_params is not None and (isinstance(self.swag_params, str)
+                                             or not all(isinstance(n, str)
+                                                        for n in self.swag_params)):
+            raise ConfigError(f"swag_params must be a sequence of parameter names, got "
+                              f"{self.swag_params!r}")
         if self.noise_multiplier is not None:
             raise ConfigError("TrainConfig.noise_multiplier was removed: it clipped the batch "
                               "gradient and kept no privacy budget, so it was not differential "
@@ -138,6 +204,8 @@ class _Progress:
     """Where the run is; saved in checkpoints."""
 
     epoch: int = 0  # epochs completed
+    swa_steps: int = 0  # optimizer steps taken in the SWA phase
+    epoch_lr: float | None = None  # the rate at the start of the current epoch
     step: int = 0  # optimizer steps taken (skipped ones included)
     skipped_steps: int = 0  # fp16 steps skipped for non-finite gradients
     dropped_microbatches: int = 0  # left over at epoch ends when accumulating
@@ -206,6 +274,33 @@ def evaluate(model: nn.Module, loader: Iterable, precision: str | Precision = "f
     return {"accuracy": accuracy(probs, targets), "nll": nll(probs, targets)}
 
 
+def _evaluate_kept(model: nn.Module, ema: EMA | None, swa: SWA | None, eval_loader: Iterable,
+                   bn_loader: Iterable | None, precision: Precision, device: torch.device,
+                   bn_batches: int | None) -> dict[str, Any]:
+    """Metrics of every model fit keeps: ``eval_*`` (raw), ``eval_ema_*``, ``eval_swa_*``.
+
+    The SWA model is evaluated on a copy whose BatchNorm statistics are recomputed on at most
+    ``bn_batches`` batches of ``bn_loader``; with BatchNorm and no ``bn_loader`` it is not
+    evaluated (``eval_swa_skipped`` says why). Torch's random state is left as it was.
+    """
+    out = {f"eval_{k}": v for k, v in evaluate(model, eval_loader, precision, device).items()}
+    if ema is not None:
+        out.update({f"eval_ema_{k}": v for k, v in
+                    evaluate(ema.module, eval_loader, precision, device).items()})
+    if swa is not None and swa.n_updates > 0:
+        if has_running_stats(swa.module) and bn_loader is None:
+            out["eval_swa_skipped"] = "BatchNorm statistics need bn_loader"
+        else:
+            averaged = copy.deepcopy(swa.module)
+            devices = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                if has_running_stats(averaged):
+                    update_bn(bn_loader, averaged, device=device, max_batches=bn_batches)
+                out.update({f"eval_swa_{k}": v for k, v in
+                            evaluate(averaged, eval_loader, precision, device).items()})
+    return out
+
+
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, max_grad_norm: float | None,
                     noise: GaussianGradientNoise | None) -> tuple[bool, float | None]:
@@ -234,9 +329,30 @@ def _lr(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def _make_swalr(optimizer: torch.optim.Optimizer, config: TrainConfig) -> SWALR:
+def _make_swalr(optimizer: torch.optim.Optimizer, config: TrainConfig) -> LRScheduler:
+    """The SWA phase's rate schedule (SWALR per epoch, or CyclicSWALR per step)."""
+    if config.swa_schedule == "cyclic":
+        return CyclicSWALR(optimizer, lr_max=config.swa_lr_max, lr_min=config.swa_lr,
+                           cycle=config.swa_cycle)
+    if config.swa_schedule == "constant":  # a cycle of one step is the constant rate lr_min
+        return CyclicSWALR(optimizer, lr_max=config.swa_lr, lr_min=config.swa_lr, cycle=1)
     return SWALR(optimizer, swa_lr=config.swa_lr, anneal_epochs=config.swa_anneal_epochs,
-                 anneal_strategy="cos")
+                 anneal_strategy=config.swa_anneal_strategy)
+
+
+def _settings(config: TrainConfig) -> dict[str, Any]:
+    """Options a resumed run must share with its checkpoint."""
+    return {"precision": config.precision, "accumulate": config.accumulate,
+            "swa_start": config.swa_start, "swag_rank": config.swag_rank,
+            "swa_every_steps": config.swa_every_steps, "swa_schedule": config.swa_schedule,
+            "swa_cycle": config.swa_cycle, "swag_diagonal": config.swag_diagonal,
+            "swag_params": None if config.swag_params is None else list(config.swag_params),
+            "scheduler_interval": config.scheduler_interval}
+
+
+# what checkpoints written before an option existed were trained with
+_LEGACY_SETTINGS = {"swa_every_steps": None, "swa_schedule": "anneal", "swa_cycle": None,
+                    "swag_diagonal": False, "swag_params": None, "scheduler_interval": "epoch"}
 
 
 def _checkpoint_state(world: World, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -261,8 +377,7 @@ def _checkpoint_state(world: World, model: nn.Module, optimizer: torch.optim.Opt
         "progress": asdict(progress),
         "ranks": ranks,
         "world_size": world.size,
-        "settings": {"precision": config.precision, "accumulate": config.accumulate,
-                     "swa_start": config.swa_start, "swag_rank": config.swag_rank},
+        "settings": _settings(config),
     }
 
 
@@ -276,11 +391,10 @@ def _restore(state: dict[str, Any], world: World, model: nn.Module,
     if state["world_size"] != world.size:
         raise ConfigError(f"checkpoint was written by {state['world_size']} processes, this run has "
                           f"{world.size}; resume with the same number")
-    settings = {"precision": config.precision, "accumulate": config.accumulate,
-                "swa_start": config.swa_start, "swag_rank": config.swag_rank}
-    for key, value in settings.items():
-        if state["settings"][key] != value:
-            raise ConfigError(f"checkpoint was written with {key}={state['settings'][key]!r}, this "
+    for key, value in _settings(config).items():
+        saved = state["settings"].get(key, _LEGACY_SETTINGS.get(key))
+        if saved != value:
+            raise ConfigError(f"checkpoint was written with {key}={saved!r}, this "
                               f"run has {key}={value!r}")
     if (state["scheduler"] is None) != (scheduler is None):
         raise ConfigError("checkpoint and this run disagree on whether an LR scheduler is used")
@@ -348,8 +462,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
     """Train ``model`` on ``(inputs, targets)`` batches from ``train_loader``.
 
     ``loss_fn(logits, targets)`` defaults to cross-entropy (logits are cast to float32 first).
-    ``scheduler`` is stepped once per epoch before the SWA phase. ``eval_loader`` (read on rank 0
-    only, so do not split it across ranks) adds test accuracy and NLL to each epoch's record.
+    ``scheduler`` is stepped once per epoch (or per optimizer step, ``scheduler_interval="step"``)
+    before the SWA phase. ``eval_loader`` (read on rank 0 only, so do not split it across ranks)
+    adds test accuracy and NLL of every model kept (raw ``eval_*``, ``eval_ema_*``, and
+    ``eval_swa_*`` with BatchNorm recomputed on ``bn_loader``) to each epoch's record.
     ``bn_loader`` recomputes the SWA model's BatchNorm statistics at the end. ``on_step(step,
     record)`` is called after every optimizer step (and after that step's checkpoint, if any).
 
@@ -394,7 +510,16 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
     if config.noise_multiplier is not None:
         noise = GaussianGradientNoise(config.noise_multiplier, config.max_grad_norm, generator, world)
     swa = SWA(model) if config.swa_start is not None else None
-    swag = SWAG(model, max_rank=config.swag_rank) if swa is not None and config.swag_rank else None
+    swag = SWAG(model, max_rank=config.swag_rank, diagonal=config.swag_diagonal,
+                params=config.swag_params, device=config.swag_device) \
+        if swa is not None and config.swag_rank else None
+    fast = FastSWASchedule(config.swa_cycle, config.swa_every_steps) \
+        if config.swa_schedule == "cyclic" and config.swa_every_steps is not None else None
+
+    def collect_swa() -> None:
+        swa.update(model)
+        if swag is not None:
+            swag.collect(model)
     ema = EMA(model, config.ema_decay, warmup=config.ema_warmup) \
         if config.ema_decay is not None else None
     swalr: SWALR | None = None
@@ -442,7 +567,10 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 swalr = _make_swalr(optimizer, config)
             net.train()
             # the rate this epoch trains with: schedulers step at its end (log it, not the next one)
-            epoch_lr = _lr(optimizer)
+            # (kept in the checkpoint: a per-step schedule has moved on when a run resumes mid-epoch)
+            if progress.micro == 0 or progress.epoch_lr is None:
+                progress.epoch_lr = _lr(optimizer)
+            epoch_lr = progress.epoch_lr
             bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
             for batch in _batches(train_loader):
                 x, y = _split_batch(batch, device)
@@ -464,12 +592,27 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
 
                 skipped, grad_norm = _optimizer_step(model, optimizer, scaler, config.max_grad_norm,
                                                      noise)
+                step_lr = _lr(optimizer)  # the rate this step used
                 progress.step += 1
                 progress.skipped_steps += skipped
                 if ema is not None:
                     ema.update(model)
+                if in_swa_phase:
+                    s = progress.swa_steps  # this step's index in the phase, from 0
+                    progress.swa_steps += 1
+                    if config.swa_schedule == "cyclic":
+                        due = fast.collect_at(s) if fast is not None \
+                            else is_cycle_end(s, config.swa_cycle)
+                        swalr.step()
+                    else:
+                        due = config.swa_every_steps is not None \
+                            and progress.swa_steps % config.swa_every_steps == 0
+                    if due:
+                        collect_swa()
+                elif scheduler is not None and config.scheduler_interval == "step":
+                    scheduler.step()
                 record = {"step": progress.step, "epoch": epoch, "loss": float(loss.detach()),
-                          "lr": _lr(optimizer), "skipped": skipped}
+                          "lr": step_lr, "skipped": skipped}
                 if grad_norm is not None:
                     record["grad_norm"] = grad_norm
                 if scaler is not None:
@@ -488,18 +631,18 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 progress.dropped_microbatches += leftover
             batches = progress.micro
             if in_swa_phase:
-                swa.update(model)
-                if swag is not None:
-                    swag.collect(model)
-                swalr.step()
-            elif scheduler is not None:
+                if config.swa_every_steps is None and config.swa_schedule != "cyclic":
+                    collect_swa()
+                if config.swa_schedule == "anneal":
+                    swalr.step()
+            elif scheduler is not None and config.scheduler_interval == "epoch":
                 scheduler.step()
             record = {"epoch": epoch, "train_loss": progress.epoch_loss_sum / max(batches, 1),
                       "batches": batches, "steps": progress.step, "lr": epoch_lr,
                       "skipped_steps": progress.skipped_steps, "swa": in_swa_phase}
             if eval_loader is not None and world.is_main:
-                record.update({f"eval_{k}": v for k, v in
-                               evaluate(model, eval_loader, precision, device).items()})
+                record.update(_evaluate_kept(model, ema, swa, eval_loader, bn_loader, precision,
+                                             device, config.bn_batches))
             if private is not None:
                 record["epsilon"] = private.epsilon()
             progress.history.append(record)
@@ -509,7 +652,7 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 checkpoint()
 
         if swa is not None and bn_loader is not None:
-            update_bn(bn_loader, swa.module, device=device)
+            update_bn(bn_loader, swa.module, device=device, max_batches=config.bn_batches)
         elif swa is not None and has_running_stats(swa.module):
             warnings.warn(
                 "fit returns an SWA model whose BatchNorm running statistics are those of the last "
