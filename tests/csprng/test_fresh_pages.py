@@ -71,3 +71,25 @@ def test_a_large_fresh_output_is_advised_and_a_small_one_or_a_plain_tensor_is_no
     lo_off, _ = pages.huge_page_span(off.data_ptr(), off.numel() * 4)
     assert "hg" not in _vm_flags(lo_off)
     assert big.min() >= 0 and big.max() < 1
+
+
+
+def test_small_outputs_are_not_advised_and_large_ones_are(monkeypatch):
+    calls = []
+    monkeypatch.setattr(pages, "_madvise", lambda: calls.append(1) or None)
+    pages.advise_fresh(torch.empty(pages.ADVISE_BYTES // 4 - 1))  # under the threshold
+    assert calls == []
+    pages.advise_fresh(torch.empty(pages.ADVISE_BYTES // 4))
+    assert calls == [1]
+
+
+def test_there_is_no_madvise_off_linux(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "win32")
+    pages._madvise.cache_clear()
+    try:
+        assert pages._madvise() is None
+        t = pages.advise_fresh(torch.empty(2 * MiB))
+        assert t.numel() == 2 * MiB
+    finally:
+        monkeypatch.undo()
+        pages._madvise.cache_clear()
