@@ -24,6 +24,7 @@ from ember.swa.metrics import (
     predictive_entropy,
 )
 from ember.swa.plots import reliability_diagram
+from ember.swa.multiswa import MultiSWA, train_multiswa
 from ember.swa.quantize import BlockQuantizer, block_quantize
 from ember.swa.schedules import CyclicSWALR, cyclic_lr, is_cycle_end
 from ember.swa.swag import SWAG, MultiSWAG, bayesian_average
@@ -48,6 +49,7 @@ __all__ = [
     "AveragedModel",
     "BlockQuantizer",
     "CyclicSWALR",
+    "MultiSWA",
     "MultiSWAG",
     "SWAPResult",
     "accuracy",
@@ -77,5 +79,6 @@ __all__ = [
     "swap_average_",
     "swap_fit",
     "swap_world_size",
+    "train_multiswa",
     "update_bn",
 ]

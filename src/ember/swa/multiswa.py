@@ -1,0 +1,126 @@
+"""Multi-SWA (Wilson & Izmailov, 2020): an ensemble of independently trained SWA solutions,
+predicting the average of the members' class probabilities."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ember.swa.bn import has_running_stats, update_bn
+
+__all__ = ["MultiSWA", "train_multiswa"]
+
+
+def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+
+
+class MultiSWA:
+    """Ensemble predictor over SWA models of one architecture.
+
+    ``members`` are ``nn.Module``\\ s returning logits (e.g. ``TrainResult.swa.module``).
+    Calling the ensemble on inputs returns the mean of the members' softmax probabilities, each
+    member in eval mode. Recompute the members' BatchNorm statistics with :meth:`update_bn_`
+    (or pass ``bn_loader`` to :meth:`predict`) after averaging their weights.
+    """
+
+    def __init__(self, members: Sequence[nn.Module]) -> None:
+        members = list(members)
+        if len(members) < 1:
+            raise ValueError("MultiSWA needs at least one member")
+        first = _signature(members[0])
+        for i, m in enumerate(members[1:], start=1):
+            if _signature(m) != first:
+                raise ValueError(
+                    f"member {i} does not match member 0's architecture (state_dict keys or "
+                    f"shapes differ)")
+        self.members = members
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def update_bn_(self, loader: Iterable[Any], *, max_batches: int | None = None) -> None:
+        """Recompute every member's BatchNorm statistics on ``loader`` (training data)."""
+        for m in self.members:
+            update_bn(loader, m, max_batches=max_batches)
+
+    @torch.no_grad()
+    def __call__(self, x: Tensor) -> Tensor:
+        """Mean of the members' softmax probabilities on the input batch ``x``."""
+        total: Tensor | None = None
+        for m in self.members:
+            was = m.training
+            m.eval()
+            try:
+                p = torch.softmax(m(x).float(), dim=-1)
+            finally:
+                m.train(was)
+            total = p if total is None else total + p
+        assert total is not None
+        return total / len(self.members)
+
+    def predict(self, loader: Iterable[Any], *, bn_loader: Iterable[Any] | None = None,
+                bn_max_batches: int | None = None) -> Tensor:
+        """Ensemble probabilities over ``loader`` (batches of inputs or ``(inputs, targets)``);
+        with ``bn_loader`` the members' BatchNorm statistics are recomputed first."""
+        if bn_loader is not None:
+            self.update_bn_(bn_loader, max_batches=bn_max_batches)
+        out = [self(b[0] if isinstance(b, (tuple, list)) else b) for b in loader]
+        if not out:
+            raise ValueError("MultiSWA.predict: the loader yielded no batches")
+        return torch.cat(out)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The members' state dicts."""
+        return {"members": [m.state_dict() for m in self.members]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (same number of members)."""
+        if len(state["members"]) != len(self.members):
+            raise ValueError(f"state holds {len(state['members'])} members, this ensemble "
+                             f"{len(self.members)}")
+        for m, s in zip(self.members, state["members"], strict=True):
+            m.load_state_dict(s)
+
+
+def train_multiswa(make_model: Callable[[], nn.Module],
+                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                   make_loader: Callable[[int], Iterable[Any]], config: Any,
+                   seeds: Sequence[int], *, bn_loader: Iterable[Any] | None = None,
+                   **fit_kwargs: Any) -> MultiSWA:
+    """Train one SWA member per seed with :func:`ember.train.fit` and return the ensemble.
+
+    For each seed: ``torch.manual_seed(seed)``, then ``make_model()`` (initial weights),
+    ``make_optimizer(model)`` and ``make_loader(seed)`` (the data order), and ``fit`` with
+    ``config`` (a ``TrainConfig`` with ``swa_start`` set; its ``seed`` is replaced by the member's
+    seed). The member is the SWA model, BatchNorm recomputed on ``bn_loader`` when it has such
+    layers (required then).
+    """
+    from ember.train import fit
+
+    if getattr(config, "swa_start", None) is None:
+        raise ValueError("config.swa_start is None: Multi-SWA members need an SWA phase")
+    seeds = list(seeds)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be a non-empty list of distinct integers, got {seeds}")
+    members = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        model = make_model()
+        if has_running_stats(model) and bn_loader is None:
+            raise ValueError("the model has BatchNorm layers: pass bn_loader (training data)")
+        result = fit(model, make_optimizer(model), make_loader(seed), replace(config, seed=seed),
+                     bn_loader=bn_loader, **fit_kwargs)
+        if result.swa is None:
+            raise RuntimeError(f"fit returned no SWA model for seed {seed} (is swa_start < "
+                               f"epochs?)")
+        member = copy.deepcopy(result.swa.module)
+        if bn_loader is not None:
+            update_bn(bn_loader, member)
+        members.append(member)
+    return MultiSWA(members)
