@@ -10,11 +10,11 @@ from ember.shards.decode import Decoder, handle_extension, imagehandler
 from ember.shards.errors import DecodeError, FormatError, ShardError, TruncatedShardError
 from ember.shards.format import group_samples, split_name
 from ember.shards.stages import (
-                                 default_collate,
-                                 ignore_and_continue,
-                                 reraise_exception,
-                                 warn_and_continue,
-                                 warn_and_stop,
+    default_collate,
+    ignore_and_continue,
+    reraise_exception,
+    warn_and_continue,
+    warn_and_stop,
 )
 from ember.shards.urls import UrlOptions, expand_urls, local_path, open_url
 from ember.shards.writer import ShardWriter, TarWriter, encode_field

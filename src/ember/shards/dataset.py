@@ -1049,10 +1049,10 @@ class ShardLoader:
                 raise ValueError(f"ShardLoader does not take {bad}=; use dataset.shuffle(n) or "
                                  "loader.shuffle(n)")
             kwargs.pop(bad, None)
-        if kwargs.get("persistent_workers"):
-            raise ValueError("ShardLoader starts fresh workers each epoch (that is how it resumes "
-                             "exactly): pass persistent_workers=False, or use a plain DataLoader, "
-                             "whose persistent workers also get each epoch's order")
+        self.persistent_workers = bool(kwargs.pop("persistent_workers", False))
+        if self.persistent_workers and int(num_workers) < 1:
+            raise ValueError("persistent_workers=True needs num_workers >= 1")
+        self._kept: tuple | None = None  # persistent workers: (DataLoader, dataset copy, group)
         if batch_size is not None:
             # as DataLoader's batch_size: batches made in the workers, collated by collate_fn
             if int(batch_size) < 1:
@@ -1127,6 +1127,14 @@ class ShardLoader:
         out.length = int(n)
         return out
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (from its start); epochs also advance by
+        themselves when an iteration reaches the end."""
+        if int(epoch) < 0:
+            raise ValueError(f"expected an epoch >= 0, got {epoch!r}")
+        self.epoch = int(epoch)
+        self._resume = None
+
     @property
     def error_count(self) -> int:
         """Shards/samples skipped by on_error in the current epoch, over all workers."""
@@ -1157,11 +1165,13 @@ class ShardLoader:
         probe.load_state_dict(state)  # validates
         self.epoch = int(state["epoch"])
         self._resume = dict(state)
+        self._kept = None  # persistent workers hold the old position: start new ones
 
     def _arena(self) -> TransferArena | None:
         """Shared memory for this epoch's groups, where workers are forked and it is wanted."""
-        if not self.num_workers or not self.transfer_memory or self.transfer_group == 1:
-            return None
+        if (not self.num_workers or not self.transfer_memory or self.transfer_group == 1
+                or self.persistent_workers):
+            return None  # (an arena lives for one epoch's workers)
         context = self.kwargs.get("multiprocessing_context")
         method = context.get_start_method() if hasattr(context, "get_start_method") else context
         if not TransferArena.supported(method):
@@ -1217,10 +1227,16 @@ class ShardLoader:
 
     def _upstream(self) -> Iterator:
         self.dataset._check_streams(self.dataset._rank_world()[1], self._streams)
+        group = self.transfer_group
+        if self._kept is not None and self._resume is None and self._kept[2] == group:
+            # persistent workers: the next epoch (or this one again after a break)
+            self._consumed, self._next, self._group = [0] * self._streams, 0, group
+            self._errors = [0] * self._streams
+            yield from self._read(*self._kept[:2])
+            return
         ds = copy.copy(self.dataset)
         ds._fixed_epoch = self.epoch
         ds._tagged = True
-        group = self.transfer_group
         if self.dataset.equalize is not None:
             ds.ensure_shard_sizes()
             self.dataset.shard_sizes = ds.shard_sizes
@@ -1236,11 +1252,26 @@ class ShardLoader:
         ds._group = group
         self._consumed, self._next, self._group = consumed, first, group
         self._errors = [0] * self._streams
-        ds._arena = arena = self._arena()
+        ds._arena = self._arena()
         # the groups travel as they are (DataLoader's default_convert would turn the items'
         # tuples into lists); collate_fn= was applied in the workers' pipeline
+        if self.persistent_workers:
+            # the workers keep their dataset copy: its epoch comes through its own epoch cell
+            ds._fixed_epoch = None
+            ds._cell = _EpochCell()
+            ds._live = None
         loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers,
-                            collate_fn=_as_is, **self.kwargs)
+                            collate_fn=_as_is, persistent_workers=self.persistent_workers,
+                            **self.kwargs)
+        self._kept = (loader, ds, group) if self.persistent_workers else None
+        yield from self._read(loader, ds)
+
+    def _read(self, loader: DataLoader, ds: ShardDataset) -> Iterator:
+        """One epoch of ``loader``'s groups, handed out item by item and counted."""
+        if self.persistent_workers:
+            ds.set_epoch(self.epoch)  # through the copy's epoch cell, into the workers
+        consumed = self._consumed
+        arena = ds._arena
         n = self._streams
         try:
             for stream, errors, group in loader:
