@@ -54,11 +54,11 @@ def advise_fresh(t: torch.Tensor) -> torch.Tensor:
     Only the whole huge pages inside ``t``'s memory are advised, so no memory outside it changes
     and its resident size does not grow. Call it only on memory nobody has written yet.
     """
-    nbytes = t.untyped_storage().nbytes()
-    if ADVISE_BYTES <= 0 or nbytes < ADVISE_BYTES or t.device.type != "cpu":
+    nbytes = t.numel() * t.element_size()  # a new tensor is contiguous: its storage's size
+    if nbytes < ADVISE_BYTES or ADVISE_BYTES <= 0 or t.device.type != "cpu":
         return t
     fn = _madvise()
-    span = huge_page_span(t.untyped_storage().data_ptr(), nbytes) if fn is not None else None
+    span = huge_page_span(t.data_ptr(), nbytes) if fn is not None else None
     if span is not None:
         fn(span[0], span[1], _MADV_HUGEPAGE)  # advice: a failure (EINVAL, ENOMEM) changes nothing
     return t
