@@ -510,9 +510,13 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
     if config.noise_multiplier is not None:
         noise = GaussianGradientNoise(config.noise_multiplier, config.max_grad_norm, generator, world)
     swa = SWA(model) if config.swa_start is not None else None
-    swag = SWAG(model, max_rank=config.swag_rank, diagonal=config.swag_diagonal,
-                params=config.swag_params, device=config.swag_device) \
-        if swa is not None and config.swag_rank else None
+    swag = None
+    if swa is not None and config.swag_rank:
+        try:
+            swag = SWAG(model, max_rank=config.swag_rank, diagonal=config.swag_diagonal,
+                        params=config.swag_params, device=config.swag_device)
+        except ValueError as err:
+            raise ConfigError(f"TrainConfig.swag_params/swag_device: {err}") from err
     fast = FastSWASchedule(config.swa_cycle, config.swa_every_steps) \
         if config.swa_schedule == "cyclic" and config.swa_every_steps is not None else None
 
