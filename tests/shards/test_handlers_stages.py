@@ -200,3 +200,20 @@ def test_rsample_keeps_p_of_the_items_reproducibly(tmp_path):
     assert all(x in keys for x in a)
     with pytest.raises(ValueError, match="probability"):
         ShardDataset(urls).rsample(1.5)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_slice_and_rsample_resume_through_indexes(make_shards, stop_and_resume, num_workers):
+    pattern, _ = make_shards(5, 12, index=True)
+
+    def make():
+        return ShardDataset(pattern, seed=9).rsample(0.7).shuffle(6).slice(2, None, 1) \
+            .map(lambda s: s["__key__"])
+
+    full = list(ShardLoader(make(), num_workers=num_workers))
+    assert 20 < len(full) < 60
+    for stop in (3, len(full) // 2, len(full) - 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fall-back to read-and-discard
+            head, rest, _, _ = stop_and_resume(make, num_workers, stop)
+        assert head + rest == full
