@@ -15,6 +15,7 @@ from ember.swa.averaging import (
     get_swa_multi_avg_fn,
 )
 from ember.swa.bn import update_bn
+from ember.swa.fastswa import FastSWA, FastSWASchedule
 from ember.swa.metrics import (
     accuracy,
     brier_score,
@@ -42,6 +43,8 @@ from ember.swa.swap import (
 
 __all__ = [
     "EMA",
+    "FastSWA",
+    "FastSWASchedule",
     "SWA",
     "SWAG",
     "SWALR",
