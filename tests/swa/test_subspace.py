@@ -188,3 +188,23 @@ def test_subspace_bma_on_model_with_batchnorm():
         torch.testing.assert_close(one, torch.softmax(m2(x), -1))
     with pytest.raises(ValueError, match="bn_loader"):
         subspace_average(model, sub, z, loader)
+
+
+def test_bench_experiment_quick_structure():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "swa_family_subspace.py"
+    spec = importlib.util.spec_from_file_location("swa_family_subspace", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert "temperature" in mod.PROTOCOL
+    rows = mod.experiment(quick=True, seeds=[0])
+    methods = {r["method"] for r in rows}
+    assert methods == {"SWA", "SWAG", "Subspace ESS", "Subspace VI"}
+    assert {r["test_set"] for r in rows} == {"clean", "pixel noise", "rotation"}
+    for r in rows:
+        assert r["experiment"] == "subspace" and r["n_seeds"] == 1
+        for k in ("accuracy", "nll", "ece", "wall_s"):
+            assert math.isfinite(r[f"{k}_mean"]) and r[f"{k}_std"] == 0.0
+        assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["nll_mean"] > 0
