@@ -259,3 +259,30 @@ def test_bench_experiment_quick_structure():
         for k in ("accuracy", "nll", "ece", "wall_s"):
             assert math.isfinite(r[f"{k}_mean"]) and math.isfinite(r[f"{k}_std"])
         assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["nll_mean"] >= 0.0
+
+
+def test_adam_second_moment_not_flushed_to_zero():
+    # BFP flushes small entries of a block to zero; for Adam's exp_avg_sq that would divide by eps.
+    # By default only first-moment accumulators (momentum_buffer, exp_avg) are quantized.
+    torch.manual_seed(0)
+    x, y = _digits_like(128)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    q = BlockQuantizer(wl=8, dim=0)
+    opt = LowPrecisionOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), weight=q, grad=q,
+                                momentum=q, generator=torch.Generator().manual_seed(0))
+    opt.quantize_weights_()
+    first = None
+    for _ in range(30):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        first = loss.item() if first is None else first
+        loss.backward()
+        opt.step()
+    assert loss.item() < first
+    w = model[0].weight
+    assert _on_grid_rows(opt.state[w]["exp_avg"], 8)
+    assert (opt.state[w]["exp_avg_sq"] > 0).float().mean() > 0.9
+
+
+def _on_grid_rows(x: torch.Tensor, wl: int) -> bool:
+    return all(_on_grid(row, wl) for row in x)

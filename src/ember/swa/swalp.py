@@ -78,8 +78,9 @@ def quantize_activations_(
     return ActivationQuantization(handles, modules)
 
 
-def _accumulators(state: dict[str, Any], p: Tensor) -> Iterable[Tensor]:
-    for value in state.values():
+def _accumulators(state: dict[str, Any], p: Tensor, keys: tuple[str, ...]) -> Iterable[Tensor]:
+    for key in keys:
+        value = state.get(key)
         if isinstance(value, Tensor) and value.is_floating_point() and value.shape == p.shape:
             yield value
 
@@ -87,9 +88,11 @@ def _accumulators(state: dict[str, Any], p: Tensor) -> Iterable[Tensor]:
 class LowPrecisionOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that each :meth:`step` works on a block-floating-point grid.
 
-    Before the inner step the gradients are quantized with ``grad``; after it, every accumulator in
-    the optimizer state with the parameter's shape (SGD's ``momentum_buffer``, Adam's moments)
-    with ``momentum`` and the parameters with ``weight``. Any quantizer may be None (left in full
+    Before the inner step the gradients are quantized with ``grad``; after it, the optimizer-state
+    tensors named in ``accumulators`` (default: SGD's ``momentum_buffer`` and Adam's first moment
+    ``exp_avg``) with ``momentum`` and the parameters with ``weight``. Adam's ``exp_avg_sq`` is
+    left in full precision by default: BFP flushes a block's small entries to zero, and Adam then
+    divides by ``eps`` (the loss diverges). Any quantizer may be None (left in full
     precision). Stochastic rounding draws from ``generator`` (a ``torch.Generator`` or an
     :mod:`ember.csprng` generator). ``param_groups``, ``state``, ``state_dict()`` and
     ``load_state_dict()`` are the inner optimizer's, so LR schedulers and ``ember.train.fit`` drive
@@ -103,6 +106,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         weight: BlockQuantizer | None = None,
         grad: BlockQuantizer | None = None,
         momentum: BlockQuantizer | None = None,
+        accumulators: tuple[str, ...] = ("momentum_buffer", "exp_avg"),
         generator: Any = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -116,6 +120,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.weight_quantizer, self.grad_quantizer, self.momentum_quantizer = weight, grad, momentum
+        if isinstance(accumulators, str) or not all(isinstance(k, str) for k in accumulators):
+            raise TypeError(f"accumulators must be a tuple of state names, got {accumulators!r}")
+        self.accumulators = tuple(accumulators)
         self.generator = generator
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
@@ -155,7 +162,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         for p in self._params():
             if self.momentum_quantizer is not None and p in self.state:
-                for buf in _accumulators(self.state[p], p):
+                for buf in _accumulators(self.state[p], p, self.accumulators):
                     buf.copy_(self.momentum_quantizer(buf, generator=self.generator))
         self.quantize_weights_()
         return loss
