@@ -217,3 +217,32 @@ def test_slice_and_rsample_resume_through_indexes(make_shards, stop_and_resume, 
             warnings.simplefilter("error")  # no fall-back to read-and-discard
             head, rest, _, _ = stop_and_resume(make, num_workers, stop)
         assert head + rest == full
+
+
+def test_decode_handler_skips_corrupt_images_like_webdataset(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    import io
+
+    urls = []
+    for i in range(2):
+        url = str(tmp_path / f"img-{i}.tar")
+        with wds.TarWriter(url) as w:
+            for j in range(12):
+                b = io.BytesIO()
+                Image.new("RGB", (4, 4), (j, i, 0)).save(b, "PNG")
+                w.write({"__key__": f"{j:03d}", "png": b.getvalue() if j % 4 else b"not a png",
+                         "cls": i * 100 + j})
+        urls.append(url)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = ShardDataset(urls, shuffle_shards=False) \
+            .decode("torchrgb", handler=wds.warn_and_continue).to_tuple("png", "cls")
+        theirs = _wds(urls).decode("torchrgb", handler=wds.warn_and_continue) \
+            .to_tuple("png", "cls")
+        got = [(x.tolist(), c) for x, c in ours]
+        want = [(x.tolist(), c) for x, c in theirs]
+        assert got == want and len(got) == 18 and ours.error_count == 6
+        loader = ShardLoader(ours.batched(3), num_workers=2)
+        batches = list(loader)
+    assert sorted(c for _, cs in batches for c in cs.tolist()) == sorted(c for _, c in got)
+    assert loader.error_count == 6 and loader.state_dict()["errors"] == [3, 3]
