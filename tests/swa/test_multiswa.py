@@ -90,3 +90,48 @@ def test_train_multiswa_through_fit():
     with pytest.raises(ValueError, match="bn_loader"):
         train_multiswa(_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), loader,
                        config, [0])
+
+
+def test_bench_experiment_quick_structure():
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "swa_family_multiswa.py"
+    spec = importlib.util.spec_from_file_location("swa_family_multiswa", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert "Deep ensemble" in mod.PROTOCOL
+    rows = mod.experiment(quick=True, seeds=[0])
+    assert {r["method"] for r in rows} == {"Deep ensemble", "Multi-SWA", "MultiSWAG"}
+    assert {r["test_set"] for r in rows} == {"clean", "pixel noise", "rotation"}
+    for r in rows:
+        assert r["experiment"] == "multiswa" and r["n_seeds"] == 1
+        for k in ("accuracy", "nll", "ece", "wall_s"):
+            assert math.isfinite(r[f"{k}_mean"]) and r[f"{k}_std"] == 0.0
+        assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["nll_mean"] > 0
+
+
+def test_harness_runs_present_and_skips_missing(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "swa_family.py"
+    spec = importlib.util.spec_from_file_location("swa_family", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # a missing module is skipped with a note, not a crash
+    mod.HERE = tmp_path
+    (tmp_path / "swa_family_swap.py").write_text("raise ImportError('broken on purpose')\n")
+    doc = mod.run(quick=True, seeds=[0], only=["swap", "fastswa"], out=tmp_path / "o.json")
+    assert set(doc["skipped"]) == {"swap", "fastswa"} and doc["rows"] == []
+    assert "broken on purpose" in doc["skipped"]["swap"]
+    assert json.loads((tmp_path / "o.json").read_text())["skipped"] == doc["skipped"]
+    assert "skipping fastswa" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown"):
+        mod.run(quick=True, seeds=[0], only=["nope"], out=None)
+    rows = [{"experiment": "e", "method": "m", "test_set": "clean", "accuracy_mean": 0.5,
+             "accuracy_std": 0.1, "n_seeds": 3}]
+    table = mod.format_table(rows)
+    assert "0.500±0.100" in table and "e" in table.splitlines()[2]

@@ -1,0 +1,187 @@
+"""Multi-SWA and MultiSWAG vs a deep ensemble of the same size on scikit-learn's digits (issue 17).
+
+``python bench/swa_family_multiswa.py [--quick] [--seeds N]`` prints a table and writes
+bench/results/swa_family_multiswa.json; ``bench/swa_family.py`` imports :func:`experiment`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+PROTOCOL = """\
+Data: scikit-learn's digits, pixels/16 as float32, stratified 70/30 train/test split with
+random_state=0; test sets "clean", "pixel noise" and "rotation" from ember.demo.shifted_test_sets.
+Model: MLP 64-64-BN-ReLU-Dropout(0.1)-10, SGD lr 0.05 momentum 0.9 weight decay 5e-4, batch 32,
+cross-entropy, trained with ember.train.fit. Ensemble size M = 3 (quick: 2); for seed s the
+members use seeds 10*s + j (initial weights torch.manual_seed, data order and fit's seed), j < M.
+Budget per member: 20 epochs (quick: 4).
+- "Deep ensemble": M SGD runs, cosine learning-rate decay (CosineAnnealingLR over the epochs),
+  final iterates, mean of the members' softmax probabilities.
+- "Multi-SWA": M fit runs with swa_start = half the epochs, swa_lr 0.02 (anneal 1 epoch), SWA
+  collected every epoch, BatchNorm recomputed; ember.swa.MultiSWA (mean of probabilities).
+- "MultiSWAG": the SWAG posteriors (rank 10) of the same runs, ember.swa.MultiSWAG through
+  bayesian_average, 10 samples per member (quick: 3), scale 0.5, BatchNorm recomputed per sample.
+Metrics: accuracy, NLL, ECE (20 equal-mass bins) per test set; wall_s = training (+ sampling).
+Seeds 0, 1, 2; mean and std over seeds. All results are reported, including where a method loses.
+The machine is a shared 2-core one: wall times are noisy.
+"""
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
+    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # noqa: E731
+    return f(xtr), torch.tensor(ytr), f(xte), torch.tensor(yte)
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(),
+                         nn.Dropout(0.1), nn.Linear(64, 10))
+
+
+class _Shuffled:
+    """(x, y) batches in a fresh order every pass, from a seeded torch.Generator."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, seed: int, batch: int = 32) -> None:
+        self.x, self.y, self.batch = x, y, batch
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        perm = torch.randperm(len(self.x), generator=self.gen)
+        for i in range(0, len(perm) - 1, self.batch):
+            idx = perm[i:i + self.batch]
+            if len(idx) >= 2:
+                yield self.x[idx], self.y[idx]
+
+
+def _metrics(probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    from ember.swa import accuracy, expected_calibration_error, nll
+
+    probs = probs.double()
+    return {"accuracy": accuracy(probs, y), "nll": nll(probs, y),
+            "ece": expected_calibration_error(probs, y, n_bins=20)}
+
+
+def _run_seed(seed: int, quick: bool, xtr, ytr, tests, yte) -> dict[str, dict[str, dict]]:
+    from ember.swa import MultiSWA, MultiSWAG, bayesian_average
+    from ember.train import TrainConfig, fit
+
+    m_size = 2 if quick else 3
+    epochs = 4 if quick else 20
+    bn = [(xtr[i:i + 256], ytr[i:i + 256]) for i in range(0, len(xtr), 256)]
+    walls = {"Deep ensemble": 0.0, "Multi-SWA": 0.0, "MultiSWAG": 0.0}
+    ensemble, swa_members, swags = [], [], []
+    for j in range(m_size):
+        s = 10 * seed + j
+        torch.manual_seed(s)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        t0 = time.perf_counter()
+        fit(model, opt, _Shuffled(xtr, ytr, s), TrainConfig(epochs=epochs, seed=s,
+                                                            progress=False),
+            scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs))
+        walls["Deep ensemble"] += time.perf_counter() - t0
+        ensemble.append(model)
+        torch.manual_seed(s)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        t0 = time.perf_counter()
+        res = fit(model, opt, _Shuffled(xtr, ytr, s),
+                  TrainConfig(epochs=epochs, swa_start=epochs // 2, swa_lr=0.02, swag_rank=10,
+                              seed=s, progress=False), bn_loader=bn)
+        dt = time.perf_counter() - t0
+        walls["Multi-SWA"] += dt
+        walls["MultiSWAG"] += dt
+        swa_members.append(res.swa.module)
+        swags.append(res.swag)
+    multi = MultiSWA(swa_members)
+    t0 = time.perf_counter()
+    multi.update_bn_(bn)
+    walls["Multi-SWA"] += time.perf_counter() - t0
+    deep = MultiSWA(ensemble)  # the same averaging of probabilities, over SGD final iterates
+    probs = {"Deep ensemble": {n: deep(x) for n, x in tests.items()},
+             "Multi-SWA": {n: multi(x) for n, x in tests.items()}}
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    shell = _model()
+    probs["MultiSWAG"] = {n: bayesian_average(shell, MultiSWAG(swags), [x], 3 if quick else 10,
+                                              bn_loader=bn, generator=gen)
+                          for n, x in tests.items()}
+    walls["MultiSWAG"] += time.perf_counter() - t0
+    out: dict[str, dict[str, dict]] = {}
+    for method, per in probs.items():
+        out[method] = {}
+        for n, p in per.items():
+            m = _metrics(p, yte)
+            m["wall_s"] = walls[method]
+            out[method][n] = m
+    return out
+
+
+def experiment(*, quick: bool, seeds: Sequence[int]) -> list[dict]:
+    """One row per (method, test set): mean and std over ``seeds`` of accuracy, NLL, ECE, wall_s."""
+    from ember.demo import shifted_test_sets
+
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("experiment needs at least one seed")
+    xtr, ytr, xte, yte = _data()
+    tests = shifted_test_sets(xte)
+    per: dict[tuple[str, str], dict[str, list[float]]] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for seed in seeds:
+            for method, by_set in _run_seed(seed, quick, xtr, ytr, tests, yte).items():
+                for name, m in by_set.items():
+                    cell = per.setdefault((method, name), {})
+                    for k, v in m.items():
+                        cell.setdefault(k, []).append(v)
+    finally:
+        torch.set_num_threads(threads)
+    rows = []
+    for (method, name), cell in per.items():
+        row: dict = {"experiment": "multiswa", "method": method, "test_set": name,
+                     "n_seeds": len(seeds)}
+        for k, vals in cell.items():
+            row[f"{k}_mean"] = statistics.fmean(vals)
+            row[f"{k}_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        rows.append(row)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = experiment(quick=args.quick, seeds=list(range(args.seeds)))
+    print(PROTOCOL)
+    for r in rows:
+        print(f"{r['method']:<13} {r['test_set']:<12} "
+              + " ".join(f"{k} {r[k + '_mean']:.4f}±{r[k + '_std']:.4f}"
+                         for k in ("accuracy", "nll", "ece", "wall_s")))
+    out = Path(__file__).resolve().parent / "results" / "swa_family_multiswa.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"protocol": PROTOCOL, "quick": args.quick, "rows": rows,
+                               "total_wall_s": time.perf_counter() - t0}, indent=2))
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.exit(main())
