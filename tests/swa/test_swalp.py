@@ -286,3 +286,17 @@ def test_adam_second_moment_not_flushed_to_zero():
 
 def _on_grid_rows(x: torch.Tensor, wl: int) -> bool:
     return all(_on_grid(row, wl) for row in x)
+
+
+def test_quantized_model_under_torch_compile():
+    # Dynamo failed on torch.rand(symbolic shape, generator=...) inside the hooks.
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    quantize_activations_(model, BlockQuantizer(wl=4, dim=0, rounding="nearest"),
+                          BlockQuantizer(wl=4, dim=0, rounding="nearest"))
+    compiled = torch.compile(model, backend="eager", dynamic=True)
+    for n in (8, 9):
+        x = torch.randn(n, 4)
+        out = compiled(x)
+        out.sum().backward()
+        assert torch.equal(out, model(x))
+        assert all(_on_grid(row, 4) for row in out.detach())

@@ -55,6 +55,7 @@ def _times_pow2(t: Tensor, k: Tensor) -> Tensor:
     return t * torch.exp2(half) * torch.exp2(k - half)
 
 
+@torch.compiler.disable  # runs eagerly under torch.compile: dynamo cannot trace rand(generator=)
 def block_quantize(
     x: Tensor,
     wl: int,
