@@ -66,3 +66,24 @@ def test_persistent_with_epoch_continues_like_fresh_workers(make_shards, resampl
     assert [list(kept) for _ in range(4)] == want
     # epochs differ (resampled: drawn, two may draw the same shards)
     assert all(len(e) == 14 for e in want) and len({tuple(e) for e in want}) >= 3 - resampled
+
+
+def test_persistent_loader_level_stages_resume(make_shards):
+    urls, _ = make_shards(4, 10)
+
+    def loader(persistent):
+        ds = ShardDataset(urls, seed=3).map(sample_key).batched(4, collation_fn=list)
+        return ShardLoader(ds, num_workers=2, persistent_workers=persistent) \
+            .unbatched().shuffle(7).batched(5, collation_fn=list)
+
+    fresh = loader(False)
+    want = [list(fresh) for _ in range(3)]
+    kept = loader(True)
+    assert [list(kept) for _ in range(2)] == want[:2] and want[0] != want[1]
+    it = iter(kept)  # epoch 2, broken off after 3 batches
+    head = [next(it) for _ in range(3)]
+    state = kept.state_dict()
+    it.close()
+    resumed = loader(True)
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == want[2]

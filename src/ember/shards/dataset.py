@@ -1099,6 +1099,7 @@ class ShardLoader:
         out = copy.copy(self)
         out._stages = self._stages + [(kind, args)]
         out.length = None
+        out._kept = None  # a loader of its own: its own persistent workers
         return out
 
     def unbatched(self) -> ShardLoader:
@@ -1125,6 +1126,7 @@ class ShardLoader:
             raise ValueError(f"expected a length >= 0, got {n!r}")
         out = copy.copy(self)
         out.length = int(n)
+        out._kept = None
         return out
 
     def set_epoch(self, epoch: int) -> None:
