@@ -67,8 +67,12 @@ def _metrics(probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 
 def _run_seed(seed: int, quick: bool, xtr, ytr, tests, tests_y) -> dict[str, dict[str, dict[str, float]]]:
     from ember.swa import SWA, SWAG, Subspace, bayesian_average, update_bn
-    from ember.swa.subspace import (elliptical_slice_sampling, fit_vi, subspace_average,
-                                    subspace_log_likelihood)
+    from ember.swa.subspace import (
+        elliptical_slice_sampling,
+        fit_vi,
+        subspace_average,
+        subspace_log_likelihood,
+    )
 
     epochs = 6 if quick else 24
     half = epochs // 2

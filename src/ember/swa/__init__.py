@@ -24,12 +24,12 @@ from ember.swa.metrics import (
     nll,
     predictive_entropy,
 )
-from ember.swa.plots import reliability_diagram
 from ember.swa.multiswa import MultiSWA, train_multiswa
+from ember.swa.plots import reliability_diagram
 from ember.swa.quantize import BlockQuantizer, block_quantize
 from ember.swa.schedules import CyclicSWALR, cyclic_lr, is_cycle_end
-from ember.swa.swag import SWAG, MultiSWAG, bayesian_average
 from ember.swa.subspace import Subspace, elliptical_slice_sampling, fit_vi, subspace_average
+from ember.swa.swag import SWAG, MultiSWAG, bayesian_average
 from ember.swa.swalp import LowPrecisionOptimizer, quantize_activations_
 from ember.swa.swap import (
     SWAPResult,
