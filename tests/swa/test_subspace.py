@@ -46,6 +46,10 @@ def test_rank_larger_than_iterates_errors():
         Subspace.from_trajectory(w, 0)
     with pytest.raises(ValueError, match="svd must be"):
         Subspace.from_trajectory(w, 2, svd="qr")
+    with pytest.raises(ValueError, match="linearly dependent"):
+        Subspace(torch.zeros(3), torch.tensor([[1.0, 0, 0], [2.0, 0, 0]]))
+    with pytest.raises(ValueError, match="basis must be"):
+        Subspace(torch.zeros(3), torch.zeros(2, 4))
     # trajectory of rank 3 cannot give rank 5
     w, _ = _trajectory(t=10, k=3)
     with pytest.raises(ValueError, match="independent directions"):

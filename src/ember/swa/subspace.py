@@ -69,7 +69,11 @@ class Subspace:
             total = sum(math.prod(s) for s in self.shapes)
             if total != shift.shape[0]:
                 raise ValueError(f"shapes hold {total} elements but shift has {shift.shape[0]}")
-        self._gram_inv = torch.linalg.inv(self.basis @ self.basis.t())
+        gram = self.basis @ self.basis.t()
+        if torch.linalg.matrix_rank(gram) < gram.shape[0]:
+            raise ValueError(f"basis rows are linearly dependent (rank "
+                             f"{int(torch.linalg.matrix_rank(gram))} < K = {gram.shape[0]})")
+        self._gram_inv = torch.linalg.inv(gram)
 
     @property
     def rank(self) -> int:
