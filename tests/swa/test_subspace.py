@@ -212,3 +212,21 @@ def test_bench_experiment_quick_structure():
         for k in ("accuracy", "nll", "ece", "wall_s"):
             assert math.isfinite(r[f"{k}_mean"]) and r[f"{k}_std"] == 0.0
         assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["nll_mean"] > 0
+
+
+def test_compiled_model_names_match_swag_subspace():
+    # torch.compile prefixes parameter names with _orig_mod.; SWAG strips it, so must Subspace
+    model = _mlp()
+    compiled = torch.compile(model)
+    swag = SWAG(compiled, max_rank=3)
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        swag.collect(compiled)
+    sub = Subspace.from_swag(swag, 2)
+    w = sub.reconstruct(torch.tensor([0.3, -0.7]))
+    sub.load_into(compiled, w)
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), w)
+    params = sub.functional_params(compiled, torch.zeros(2))
+    assert set(params) == {n for n, _ in model.named_parameters()}

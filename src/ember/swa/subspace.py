@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ember.swa._batches import strip_compile_prefix, unwrap_compiled
 from ember.swa.bn import has_running_stats, update_bn
 
 __all__ = [
@@ -33,7 +34,7 @@ LogLikelihood = Callable[[Tensor], Tensor]
 
 
 def _params(model: nn.Module) -> list[tuple[str, Tensor]]:
-    return [(n, p) for n, p in model.named_parameters()]
+    return [(strip_compile_prefix(n), p) for n, p in model.named_parameters()]
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -244,7 +245,7 @@ def subspace_log_likelihood(model: nn.Module, subspace: Subspace, batches: Seque
         params = subspace.functional_params(model, z)
         total = torch.zeros((), dtype=subspace.shift.dtype)
         for x, y in batches:
-            logits = torch.func.functional_call(model, params, (x,))
+            logits = torch.func.functional_call(unwrap_compiled(model), params, (x,))
             total = total + call(logits.float(), y) * len(y)
         return -total
 
