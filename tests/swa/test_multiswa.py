@@ -33,6 +33,8 @@ def test_predicts_mean_of_member_probabilities_in_eval_mode():
 def test_mismatched_members_and_state_dict():
     with pytest.raises(ValueError, match="member 1"):
         MultiSWA([_mlp(8), _mlp(9)])
+    # a torch.compile'd member of the same architecture is accepted
+    assert len(MultiSWA([_mlp(8), torch.compile(_mlp(8))])) == 2
     with pytest.raises(ValueError, match="at least one"):
         MultiSWA([])
     torch.manual_seed(0)

@@ -11,13 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ember.swa._batches import strip_compile_prefix
 from ember.swa.bn import has_running_stats, update_bn
 
 __all__ = ["MultiSWA", "train_multiswa"]
 
 
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    return [(strip_compile_prefix(k), tuple(v.shape)) for k, v in model.state_dict().items()]
 
 
 class MultiSWA:
