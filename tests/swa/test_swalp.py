@@ -1,6 +1,7 @@
 """SWALP: block-floating-point quantizer, low-precision training hooks and optimizer wrapper."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -291,12 +292,14 @@ def _on_grid_rows(x: torch.Tensor, wl: int) -> bool:
 def test_quantized_model_under_torch_compile():
     # Dynamo failed on torch.rand(symbolic shape, generator=...) inside the hooks.
     model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
-    quantize_activations_(model, BlockQuantizer(wl=4, dim=0, rounding="nearest"),
-                          BlockQuantizer(wl=4, dim=0, rounding="nearest"))
+    quantize_activations_(model, BlockQuantizer(wl=4, dim=0), BlockQuantizer(wl=4, dim=0),
+                          generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(model, backend="eager", dynamic=True)
     for n in (8, 9):
         x = torch.randn(n, 4)
-        out = compiled(x)
-        out.sum().backward()
-        assert torch.equal(out, model(x))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*Dynamo does not know how to trace")
+            out = compiled(x)
+            out.sum().backward()
         assert all(_on_grid(row, 4) for row in out.detach())
+        assert model[0].weight.grad is not None and torch.isfinite(model[0].weight.grad).all()
