@@ -163,7 +163,7 @@ def test_optimizer_keeps_weights_and_momentum_on_grid():
     model2 = nn.Linear(6, 3)
     opt2 = LowPrecisionOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9), weight=q)
     opt2.load_state_dict(opt.state_dict())
-    for p, p2 in zip(model.parameters(), model2.parameters()):
+    for p, p2 in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(opt.state[p]["momentum_buffer"], opt2.state[p2]["momentum_buffer"])
 
 

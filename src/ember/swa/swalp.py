@@ -9,7 +9,8 @@ the low-precision weights is kept in full precision with :class:`ember.swa.SWA` 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
