@@ -95,3 +95,25 @@ def test_state_dict_resume_is_bit_identical():
     other = FastSWA(model2, opt2, lr_max=0.1, lr_min=0.01, cycle=5, every=2)
     with pytest.raises(ValueError, match="every"):
         other.load_state_dict(fast.state_dict())
+
+
+def test_quick_experiment_rows_have_the_contract_keys_and_finite_numbers():
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "swa_family_fastswa.py"
+    spec = importlib.util.spec_from_file_location("swa_family_fastswa", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert "fast-SWA" in bench.PROTOCOL
+    rows = bench.experiment(quick=True, seeds=[0])
+    assert {(r["method"], r["test_set"]) for r in rows} == {
+        (m, t) for m in ("SGD", "SWA", "fast-SWA") for t in ("clean", "pixel noise", "rotation")}
+    for r in rows:
+        assert r["experiment"] == "fastswa" and r["n_seeds"] == 1
+        for metric in ("accuracy", "nll", "ece", "wall_s"):
+            assert math.isfinite(r[f"{metric}_mean"]), (r, metric)
+        assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["nll_mean"] > 0
+    # every method learns: 10 classes, chance is 0.1
+    assert all(r["accuracy_mean"] > 0.5 for r in rows if r["test_set"] == "clean")
