@@ -110,3 +110,36 @@ def test_fit_ema_with_decay_zero_follows_the_model():
     cfg = TrainConfig(epochs=1, ema_decay=0.0, swag_rank=None, progress=False)
     result = fit(model, torch.optim.SGD(model.parameters(), lr=0.05), _loader(2), cfg)
     assert weights_digest(result.ema.module) == weights_digest(result.model)
+
+
+def _fast_run(tmp_path, kill_at=None, resume=None, precision="fp32"):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    names = [n for n, _ in model.named_parameters()][-2:]  # the last layer
+    cfg = TrainConfig(epochs=3, ema_decay=0.9, swa_start=1, swa_lr=0.01, swa_lr_max=0.05,
+                      swa_schedule="cyclic", swa_cycle=4, swa_every_steps=1, swag_diagonal=True,
+                      swag_params=tuple(names), bn_batches=1, progress=False,
+                      checkpoint_dir=tmp_path / "ckpt", resume=resume, precision=precision)
+
+    def on_step(step, record):
+        if step == kill_at:
+            raise RuntimeError("killed")
+
+    return fit(model, opt, _loader(), cfg, bn_loader=_loader(2), eval_loader=_loader(2),
+               on_step=on_step)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_fast_swa_with_eval_and_swag_options_resumes_bit_identically(tmp_path, precision):
+    whole = _fast_run(tmp_path / "a", precision=precision)
+    assert whole.swa.n_updates == 2 * 2  # 2 cycles of 4 steps, points 2 and 3 of each
+    assert "eval_swa_nll" in whole.history[-1] and "eval_ema_nll" in whole.history[-1]
+    with pytest.raises(RuntimeError, match="killed"):
+        _fast_run(tmp_path / "b", kill_at=7, precision=precision)
+    resumed = _fast_run(tmp_path / "b", resume="auto", precision=precision)
+    for a, b in ((whole.model, resumed.model), (whole.ema.module, resumed.ema.module),
+                 (whole.swa.module, resumed.swa.module)):
+        assert weights_digest(a) == weights_digest(b)
+    assert torch.equal(whole.swag.mean, resumed.swag.mean)
+    assert torch.equal(whole.swag.var, resumed.swag.var)
+    assert whole.history == resumed.history
