@@ -90,7 +90,8 @@ def test_state_dict_resume_is_bit_identical():
     torch.set_rng_state(saved[4])  # dropout's draws
     _train(model2, opt2, fast2, 8, g2)
     assert fast2.steps == fast.steps == 15 and fast2.swa.n_updates == fast.swa.n_updates
-    for a, b in zip(fast.module.state_dict().values(), fast2.module.state_dict().values()):
+    for a, b in zip(fast.module.state_dict().values(), fast2.module.state_dict().values(),
+                    strict=True):
         assert torch.equal(a, b)
     other = FastSWA(model2, opt2, lr_max=0.1, lr_min=0.01, cycle=5, every=2)
     with pytest.raises(ValueError, match="every"):
