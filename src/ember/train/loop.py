@@ -2,8 +2,9 @@
 
 One epoch reads the loader once. Every batch is a micro-batch; every ``accumulate`` micro-batches
 make one optimizer step: (fp16) unscale, clip, optional secure noise, step, one scaler update.
-At the end of an epoch the SWA phase (from ``swa_start``) folds the weights into SWA and SWAG and
-steps SWALR; before it the user's scheduler is stepped. Checkpoints are taken only between
+In the SWA phase (from ``swa_start``) the weights are folded into SWA and SWAG at the end of each
+epoch or every ``swa_every_steps`` steps (or at fast-SWA's points of a cyclic rate); before it the
+user's scheduler is stepped per epoch or per step. Checkpoints are taken only between
 optimizer steps, so a resumed run repeats exactly what the interrupted one would have done.
 """
 
