@@ -114,9 +114,10 @@ def test_resume_is_bit_identical_with_dataloader_workers(digits_shards, tmp_path
     dict(swa_schedule="cyclic", swa_cycle=4, swa_lr_max=0.05, swa_every_steps=2,
          swag_diagonal=True, swag_params=("4.weight", "4.bias"), scheduler_interval="step",
          ema_decay=0.9),
-    # every-N collection under a linear SWALR anneal and a constant rate
-    dict(swa_every_steps=3, swa_anneal_strategy="linear", swa_anneal_epochs=2),
-    dict(swa_every_steps=5, swa_schedule="constant"),
+    # every-N collection under a linear SWALR anneal and a constant rate (~20 s each: slow)
+    pytest.param(dict(swa_every_steps=3, swa_anneal_strategy="linear", swa_anneal_epochs=2),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(swa_every_steps=5, swa_schedule="constant"), marks=pytest.mark.slow),
 ], ids=["fastswa", "every-steps-linear", "constant"])
 def test_resume_is_bit_identical_with_step_collection_options(digits_shards, tmp_path, options):
     urls = digits_shards["train_small"]
