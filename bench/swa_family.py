@@ -33,7 +33,12 @@ def _load(name: str) -> Any:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        # a half-executed module must not shadow the real one for later imports
+        del sys.modules[spec.name]
+        raise
     if not callable(getattr(module, "experiment", None)):
         raise AttributeError(f"{path.name} defines no experiment()")
     return module

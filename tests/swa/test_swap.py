@@ -169,6 +169,8 @@ def test_bench_experiment_quick_one_seed_has_every_row_with_finite_metrics(monke
 
     # importable by name, so that the spawned SWAP processes import it too
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "bench"))
+    # another test may have loaded a stand-in under this name; import the real file
+    monkeypatch.delitem(sys.modules, "swa_family_swap", raising=False)
     bench = importlib.import_module("swa_family_swap")
     assert "SWAP" in bench.PROTOCOL
     rows = bench.experiment(quick=True, seeds=[0])
