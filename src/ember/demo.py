@@ -58,12 +58,14 @@ PROTOCOL: dict[str, Any] = {
     "lr": 0.05,
     "baseline": "SGD with the LR cosine-annealed from 0.05 to 0 over all epochs",
     "swa": "same optimizer at lr 0.05 for the first 60% of epochs, then the last 40% at the "
-           "constant swa_lr 0.01 (SWALR, 1 annealing epoch), weights averaged once per epoch; "
+           "constant swa_lr 0.01, weights averaged after every 20th optimizer step (about twice per "
+           "epoch); "
            "BatchNorm recomputed on the training data",
     "swa_fraction": 0.4,
     "swa_lr": 0.01,
-    "swag": "SWAG from the SWA run: rank 20 (the last 20 once-per-epoch deviations; a 30-epoch run "
-            "collects 12), scale 0.5, 30 samples, "
+    "swa_every_steps": 20,
+    "swag": "SWAG from the SWA run: rank 20 (the last 20 of the deviations collected every 20 "
+            "steps), scale 0.5, 30 samples, "
             "BatchNorm recomputed for every sample, class probabilities averaged",
     "swag_scale": 0.5,
     "multiswag": "the SWAGs of all seeds pooled: 30 samples from each",
@@ -229,6 +231,7 @@ def _train_seed(seed: int, settings: DemoSettings, train_urls: str, eval_batches
     swa = fit(swa_model, opt, _train_loader(train_urls, seed),
               TrainConfig(epochs=settings.epochs, seed=seed, progress=progress,
                           swa_start=settings.swa_start, swa_lr=PROTOCOL["swa_lr"],
+                          swa_schedule="constant", swa_every_steps=PROTOCOL["swa_every_steps"],
                           swag_rank=settings.swag_rank,
                           metrics_path=out / f"metrics-swa-seed{seed}.jsonl"),
               eval_loader=eval_batches, bn_loader=bn_batches)
