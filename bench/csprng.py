@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ember.csprng.benchmark import call_overhead_us, format_table, run, run_fresh
+from ember.csprng.benchmark import call_overhead_us, format_table, run
 
 
 def _fresh_with_thp(mib: int, repeat: int) -> list[dict]:

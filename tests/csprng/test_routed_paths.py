@@ -5,8 +5,14 @@ import sys
 
 import pytest
 import torch
-from torch.utils.data import (DataLoader, RandomSampler, SubsetRandomSampler, TensorDataset,
-                              WeightedRandomSampler, random_split)
+from torch.utils.data import (
+    DataLoader,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+    random_split,
+)
 
 import ember.csprng as csprng
 

@@ -48,7 +48,7 @@ def test_error_mode_raises_like_torch(name):
 def test_in_place_different_on_an_unbatched_tensor_raises_like_torch():
     for g in (torch.Generator().manual_seed(1), csprng.create_generator(1)):
         with pytest.raises(RuntimeError, match="different inplace randomness"):
-            torch.vmap(lambda x: x + torch.empty(3).normal_(generator=g),
+            torch.vmap(lambda x, g=g: x + torch.empty(3).normal_(generator=g),
                        randomness="different")(torch.zeros(B, 3))
 
 

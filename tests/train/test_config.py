@@ -77,7 +77,8 @@ def test_ember_train_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--data", "--eval-data", "--num-classes", "--precision", "--accumulate",
                    "--clip-grad-norm", "--swa-start", "--swa-lr", "--swag-rank",
-                   "--dp-epsilon", "--dp-delta", "--max-grad-norm", "--checkpoint-every", "--resume", "--out", "torchrun"):
+                   "--dp-epsilon", "--dp-delta", "--max-grad-norm", "--checkpoint-every", "--resume",
+                   "--out", "torchrun"):
         assert option in text
 
 

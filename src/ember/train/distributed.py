@@ -79,6 +79,19 @@ def all_gather_objects(obj: Any, world: World) -> list[Any]:
     return out
 
 
+def broadcast_buffers_(module: nn.Module, world: World, src: int = 0) -> nn.Module:
+    """Copy every buffer of ``module`` (BatchNorm statistics, counters) from rank ``src`` (in place).
+
+    DDP broadcasts rank 0's buffers before each forward, but every rank then updates them from
+    its own batch, so after the last step they differ; this makes the ranks agree on rank 0's,
+    which is what DDP would use next.
+    """
+    if world.distributed:
+        for buf in module.buffers():
+            dist.broadcast(buf.data, src=src)
+    return module
+
+
 def average_(tensor: torch.Tensor, world: World) -> torch.Tensor:
     """Replace ``tensor`` by its mean over ranks (in place)."""
     if world.distributed:

@@ -36,7 +36,14 @@ from ember.train.checkpoint import (
     set_rng_state,
     weights_digest,
 )
-from ember.train.distributed import World, all_gather_objects, init_from_env, shutdown, wrap_model
+from ember.train.distributed import (
+    World,
+    all_gather_objects,
+    broadcast_buffers_,
+    init_from_env,
+    shutdown,
+    wrap_model,
+)
 from ember.train.errors import ConfigError
 from ember.train.metrics_log import MetricsLog
 from ember.train.noise import GaussianGradientNoise
@@ -656,8 +663,14 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             if ckpt_path is not None:
                 checkpoint()
 
+        # each rank's last forward updated its own BatchNorm statistics: agree on rank 0's
+        for kept in (model, swa.module if swa is not None else None,
+                     ema.module if ema is not None else None):
+            if kept is not None:
+                broadcast_buffers_(kept, world)
         if swa is not None and bn_loader is not None:
             update_bn(bn_loader, swa.module, device=device, max_batches=config.bn_batches)
+            broadcast_buffers_(swa.module, world)
         elif swa is not None and has_running_stats(swa.module):
             warnings.warn(
                 "fit returns an SWA model whose BatchNorm running statistics are those of the last "
