@@ -1,8 +1,9 @@
-"""Build configuration beyond pyproject.toml: ember's one optional C extension.
+"""Build configuration beyond pyproject.toml: ember's two optional C extensions.
 
 ``ember.shards._speedups`` speeds up tar header parsing; ember.shards.tar falls back to its
-pure-Python parser where the extension is not built (no C compiler), so a failed build is not
-an install failure.
+pure-Python parser where the extension is not built (no C compiler). ``ember.csprng._shuffle``
+is randperm's bucket scatter and Fisher-Yates; ember.csprng.shuffle falls back to NumPy twins
+(same values, slower). So a failed build is not an install failure.
 """
 
 from setuptools import Extension, setup
@@ -10,5 +11,6 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("ember.shards._speedups", ["src/ember/shards/_speedups.c"], optional=True),
+        Extension("ember.csprng._shuffle", ["src/ember/csprng/_shuffle.c"], optional=True),
     ]
 )

@@ -229,15 +229,6 @@ def test_integer_rejections_are_refilled_from_the_reject_stream():
     assert got == [v + low for v in values]
 
 
-def test_randperm_sorts_by_signed_keys():
-    ref, g = Reference(11), csprng.create_generator(11)
-    got = torch.randperm(25, generator=g).tolist()
-    keys = [w - 2**32 if w >= 2**31 else w for w in ref.words(25, 4)]
-    assert len(set(keys)) == 25  # no ties in this draw, so the tie rule is not involved
-    assert got == sorted(range(25), key=lambda i: (keys[i], i))
-    assert g.counter == ref.counter
-
-
 def test_multinomial_with_replacement_inversion():
     ref, g = Reference(12), csprng.create_generator(12)
     w = [0.5, 0.0, 1.5, 2.0]
@@ -367,31 +358,70 @@ def keystream_u32(key: bytes, counter: int, nblocks: int) -> np.ndarray:
     return np.frombuffer(AES.new(key, AES.MODE_ECB).encrypt(blocks), dtype="<u4")
 
 
-def test_randperm_ties_are_reshuffled_from_the_reject_stream():
-    # 2^18 32-bit keys hold ~8 equal pairs (n^2 / 2^33), so the tie rule is exercised; the reference
-    # finds the runs itself and checks it found some
-    n, seed = 2**18, 36
+def randperm_reference(seed: int, n: int) -> tuple[list[int], int]:
+    """docs/csprng-stream.md, randperm (layout 3), in plain Python: (permutation, rejected words)."""
+    key = key_of(seed)
+    words = [int(w) for w in keystream_u32(key, 0, -(-8 * n // 16))[:2 * n]]
+    bits = min(24, max(0, (n - 1).bit_length() - 15))
+    buckets: list[list[int]] = [[] for _ in range(2**bits)]
+    for i in range(n):
+        buckets[words[i] >> (32 - bits) if bits else 0].append(i)
+    fy = words[n:]
+    starts, q = [], 0
+    for b in buckets:
+        starts.append(q)
+        q += len(b)
+
+    def rejected(w: int, m: int) -> bool:
+        return (w * m) % 2**32 < 2**32 % m
+
+    pending = [(start + p, p + 1) for start, b in zip(starts, buckets, strict=True)
+               for p in range(1, len(b)) if rejected(fy[start + p], p + 1)]
+    n_rejected = len(pending)
+    reject_key, counter = hmac_key(key, b"reject", 0), 0
+    while pending:  # a round: one word per pending position, from the next whole block on
+        nblocks = -(-4 * len(pending) // 16)
+        new = [int(w) for w in keystream_u32(reject_key, counter, nblocks)[:len(pending)]]
+        counter += nblocks
+        again = []
+        for (pos, m), w in zip(pending, new, strict=True):
+            if rejected(w, m):
+                again.append((pos, m))
+            else:
+                fy[pos] = w
+        pending = again
+    out = []
+    for start, b in zip(starts, buckets, strict=True):
+        a = list(b)
+        for p in range(len(a) - 1, 0, -1):
+            j = (fy[start + p] * (p + 1)) >> 32
+            a[p], a[j] = a[j], a[p]
+        out += a
+    return out, n_rejected
+
+
+@pytest.mark.parametrize("n", [2, 25, 2**15 + 1, 2**16 + 3])
+def test_randperm_buckets_then_fisher_yates(n):
+    # 1, 1, 2 and 4 buckets
+    seed = 11
     g = csprng.create_generator(seed)
-    got = torch.randperm(n, generator=g).numpy()
-    keys = keystream_u32(key_of(seed), 0, n // 4).view("<i4")
-    order = np.argsort(keys, kind="stable")
-    sorted_keys = keys[order]
-    tied = np.flatnonzero(np.r_[False, sorted_keys[1:] == sorted_keys[:-1]] |
-                          np.r_[sorted_keys[:-1] == sorted_keys[1:], False])
-    assert len(tied) >= 2
-    reject = hmac_key(key_of(seed), b"reject", 0)
-    draws = keystream_u32(reject, 0, -(-len(tied) // 2)).view("<u8")[:len(tied)]
-    assert len(set(draws.tolist())) == len(tied)  # no repeated word: no redraw round needed
-    want = order.copy()
-    start = 0
-    while start < len(tied):
-        end = start
-        while end + 1 < len(tied) and tied[end + 1] == tied[end] + 1 and \
-                sorted_keys[tied[end + 1]] == sorted_keys[tied[start]]:
-            end += 1
-        pos = tied[start:end + 1]
-        want[pos] = order[pos][np.argsort(draws[start:end + 1], kind="stable")]
-        start = end + 1
-    assert not np.array_equal(want, order)  # some run was reordered, so the tie rule is what is compared
-    assert np.array_equal(got, want)
-    assert g.counter == n // 4
+    got = torch.randperm(n, generator=g).tolist()
+    want, _ = randperm_reference(seed, n)
+    assert got == want
+    assert g.counter == -(-n // 2)  # 2n 32-bit words
+
+
+def test_randperm_rejected_fisher_yates_words_come_from_the_reject_stream():
+    # one bucket of 2^15: about one seed in 16 has a word Lemire's method rejects; find one with
+    # the reference's own rule (vectorised here only to find it quickly)
+    n = 2**15
+    m = np.arange(n, dtype=np.uint64) + np.uint64(1)
+    for seed in range(400):
+        fy = keystream_u32(key_of(seed), 0, n // 2)[n:2 * n].astype(np.uint64)
+        if ((fy * m) % np.uint64(2**32) < np.uint64(2**32) % m).any():
+            break
+    else:
+        pytest.fail("no seed below 400 rejects a word")
+    want, n_rejected = randperm_reference(seed, n)
+    assert n_rejected >= 1
+    assert torch.randperm(n, generator=csprng.create_generator(seed)).tolist() == want

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import small
+from . import shuffle, small
 from .ciphers import BLOCK_BYTES
 from .stream import BlockStream, Draw
 
@@ -654,30 +654,34 @@ class NativeSampler:
 
     # ------------------------------------------------------------------ permutations
     def randperm_(self, out: torch.Tensor) -> None:
-        """An exactly uniform permutation of ``0..n-1``: sort by 32-bit keys, shuffle ties."""
+        """An exactly uniform permutation of ``0..n-1``: random buckets, then Fisher-Yates in each
+        (:mod:`ember.csprng.shuffle`, stream layout version 3)."""
         _check_dtype("randperm", out.dtype, _INT_DTYPES + FLOAT_DTYPES)
         n = out.numel()
         if n - 1 > representable_range(out.dtype)[1]:
             raise ValueError(f"randperm: n={n} is too large for dtype {out.dtype}")
-        draw = self._draw(n * 4)
+        draw = self._draw(n * 8)
         if n == 0:
             return
-        keys = torch.empty(n, dtype=torch.int32)
-        draw.fill(memoryview(keys.numpy().view(np.uint8)))
+        words = np.empty(2 * n, np.uint32)
+        draw.fill(memoryview(words.view(np.uint8)))
         if n == 1:
             out.view(-1).fill_(0)
             return
-        direct = out.dtype == torch.int64  # sort straight into the output (contiguous here)
-        if direct:
-            skeys, idx = torch.sort(keys, stable=True, out=(torch.empty_like(keys), out.view(-1)))
-        else:
-            skeys, idx = torch.sort(keys, stable=True)
-        sk, ix = skeys.numpy(), idx.numpy()
-        eq = sk[1:] == sk[:-1]
-        if eq.any():
-            _shuffle_ties(draw, ix, eq)
+        flat = out.view(-1)
+        direct = out.dtype == torch.int64 and flat.is_contiguous()
+        values = flat.numpy() if direct else np.empty(n, np.int64)
+        refill = NativeSampler(draw.refill_stream())
+
+        def more(k: int) -> np.ndarray:
+            w = np.empty(k, np.uint32)
+            refill._draw(k * 4).fill(memoryview(w.view(np.uint8)))
+            return w
+
+        threads = _threads(n * 8)
+        shuffle.permutation(words, values, more, _executor(threads) if threads > 1 else None)
         if not direct:
-            out.view(-1).copy_(idx)
+            flat.copy_(torch.from_numpy(values))
 
     # ------------------------------------------------------------------ multinomial / poisson
     def multinomial(self, probs: torch.Tensor, num_samples: int, replacement: bool = False
@@ -815,27 +819,6 @@ def _mul64(w: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
     high = hh + (lh >> s32) + (hl >> s32) + (mid >> s32)
     low = (mid << s32) | (ll & m32)
     return high, low
-
-
-def _shuffle_ties(draw: Draw, ix: np.ndarray, eq: np.ndarray) -> None:
-    """Shuffle, uniformly and in place, each run of ``ix`` whose sort keys were equal."""
-    tied = np.zeros(ix.size, bool)
-    tied[1:] |= eq
-    tied[:-1] |= eq
-    pos = np.flatnonzero(tied)
-    starts = np.ones(pos.size, bool)
-    starts[1:] = ~eq[pos[1:] - 1]
-    group = np.cumsum(starts)
-    refill = NativeSampler(draw.refill_stream())
-    while True:
-        d = refill._draw(pos.size * 8)
-        keys = np.empty(pos.size, "<u8")
-        d.fill(memoryview(keys.view(np.uint8)))
-        order = np.lexsort((keys, group))
-        ks, gs = keys[order], group[order]
-        if not ((ks[1:] == ks[:-1]) & (gs[1:] == gs[:-1])).any():
-            break
-    ix[pos] = ix[pos][order]
 
 
 @functools.lru_cache(maxsize=256)
