@@ -143,6 +143,69 @@ def test_handler_resume_is_exact_and_errors_in_state(tmp_path, stop_and_resume, 
     assert loader.error_count == N_SHARDS * PER_SHARD - len(full)
 
 
+def _counting_pipeline(urls):
+    return (ShardDataset(urls, seed=5).shuffle(8).decode()
+            .map_dict(cls=_bad_every_3, handler=es.ignore_and_continue)
+            .to_tuple("__key__", "txt", handler=es.ignore_and_continue)
+            .map(lambda t: t[0]))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_error_count_continues_after_resume(tmp_path, num_workers):
+    """A resumed loader reports the errors of the whole epoch, as the uninterrupted one does."""
+    urls = _wds_shards(tmp_path)
+    loader = ShardLoader(_counting_pipeline(urls), num_workers=num_workers)
+    counts = []
+    for _ in loader:
+        counts.append(loader.error_count)
+    total = loader.error_count
+    assert total == N_SHARDS * PER_SHARD - len(counts) and total > 0
+    for stop in (1, len(counts) // 2, len(counts) - 1):
+        first = ShardLoader(_counting_pipeline(urls), num_workers=num_workers)
+        for i, _ in enumerate(first, 1):
+            if i == stop:
+                break
+        state = first.state_dict()
+        assert sum(state["errors"]) == counts[stop - 1]
+        resumed = ShardLoader(_counting_pipeline(urls), num_workers=num_workers)
+        resumed.load_state_dict(state)
+        assert resumed.error_count == counts[stop - 1]  # before the first item arrives
+        after = []
+        for _ in resumed:
+            after.append(resumed.error_count)
+        assert after == counts[stop:]
+        assert resumed.error_count == total
+
+
+def test_error_count_continues_after_resume_of_direct_iteration(tmp_path):
+    urls = _wds_shards(tmp_path)
+    ds = _counting_pipeline(urls)
+    counts = [ds.error_count for _ in ds]
+    stop = len(counts) // 3
+    first = _counting_pipeline(urls)
+    for i, _ in enumerate(first, 1):
+        if i == stop:
+            break
+    state = first.state_dict()
+    assert state["errors"] == [counts[stop - 1]]
+    resumed = _counting_pipeline(urls)
+    resumed.load_state_dict(state)
+    assert [resumed.error_count for _ in resumed] == counts[stop:]
+
+
+def test_error_counts_in_state_are_checked(tmp_path):
+    urls = _wds_shards(tmp_path)
+    loader = ShardLoader(_counting_pipeline(urls), num_workers=0)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="errors"):
+        loader.load_state_dict({**state, "errors": [1, 2]})
+    with pytest.raises(ValueError, match="errors"):
+        loader.load_state_dict({**state, "errors": [-1]})
+    old = {k: v for k, v in state.items() if k != "errors"}  # a state from before the key
+    loader.load_state_dict(old)
+    assert len(list(loader)) > 0 and loader.error_count > 0
+
+
 def test_map_tuple_matches_webdataset_and_checks_arity(tmp_path):
     urls = _wds_shards(tmp_path)
     ours = ShardDataset(urls, shuffle_shards=False).decode().to_tuple("__key__", "cls") \

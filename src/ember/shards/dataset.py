@@ -416,12 +416,12 @@ class ShardDataset(IterableDataset):
     def state_dict(self) -> dict:
         """The position of direct (main-process) iteration: load it to continue exactly there."""
         if self._running is not None:
-            epoch, consumed = self._running, self._consumed
+            epoch, consumed, errors = self._running, self._consumed, self.error_count
         else:
-            epoch, consumed = self.epoch, 0
+            epoch, consumed, errors = self.epoch, 0, 0
         return {"version": STATE_VERSION, "epoch": epoch, "seed": self.seed,
                 "num_workers": 1, "consumed": [consumed], "next": 0,
-                "num_shards": len(self.urls)}
+                "num_shards": len(self.urls), "errors": [errors]}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state`` (from this class's or ShardLoader's state_dict())."""
@@ -432,9 +432,16 @@ class ShardDataset(IterableDataset):
                              f"shards, this dataset has seed={self.seed} over {len(self.urls)}")
         self.set_epoch(int(state["epoch"]))
         self._running = None
+        errors = [int(e) for e in state.get("errors", [0] * len(state["consumed"]))]
+        if len(errors) != len(state["consumed"]) or min(errors, default=0) < 0:
+            raise ValueError(f"state's errors {state.get('errors')!r} do not match its "
+                             f"{len(state['consumed'])} reading streams")
         self._resume = {"epoch": int(state["epoch"]), "consumed": list(state["consumed"]),
-                        "next": int(state["next"]), "num_workers": int(state["num_workers"])}
+                        "next": int(state["next"]), "num_workers": int(state["num_workers"]),
+                        "errors": errors}
         self._consumed = 0
+        if len(errors) == 1:
+            self.error_count = errors[0]  # direct iteration continues counting from here
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -672,7 +679,7 @@ class ShardDataset(IterableDataset):
         self._resume = None
         if physical == 0 and not self._tagged:
             self._check_streams(world, num_workers)
-        worker, skip = physical, 0
+        worker, skip, counted = physical, 0, None
         if resume is not None and resume["epoch"] == epoch:
             if resume["num_workers"] != num_workers:
                 raise ValueError(f"state was saved with {resume['num_workers']} reading workers, "
@@ -680,6 +687,7 @@ class ShardDataset(IterableDataset):
             # DataLoader cycles workers from 0; rotate so the next stream to deliver comes first
             worker = (resume["next"] + physical) % num_workers
             skip = resume["consumed"][worker]
+            counted = resume["errors"][worker]  # skipped before the saved position
             if resume["next"] and callable(self.workersplitter):
                 raise ValueError("cannot resume this state with a custom workersplitter: the "
                                  "state's next stream is not worker 0 (use workersplitter='auto')")
@@ -712,6 +720,9 @@ class ShardDataset(IterableDataset):
                 if seeking and not isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
             self._consumed = skip
+            if counted is not None:
+                policy.count = counted  # whatever fast-forwarding counted, the run had these
+                self.error_count = counted
             if limit is not None:
                 items = itertools.islice(items, limit)
             if self._tagged:
@@ -1167,6 +1178,7 @@ class ShardLoader:
         probe.load_state_dict(state)  # validates
         self.epoch = int(state["epoch"])
         self._resume = dict(state)
+        self._errors = list(probe._resume["errors"])  # error_count continues from the state
         self._kept = None  # persistent workers hold the old position: start new ones
 
     def _arena(self) -> TransferArena | None:
@@ -1245,15 +1257,16 @@ class ShardLoader:
         if self._resume is not None:
             ds.load_state_dict(self._resume)
             consumed = list(self._resume["consumed"])
+            errors = [int(e) for e in self._resume.get("errors", [0] * self._streams)]
             first = int(self._resume["next"])
             if self.num_workers:  # states without the key are from per-item transfer
                 group = int(self._resume.get("transfer_group", 1))
             self._resume = None
         else:
-            consumed, first = [0] * self._streams, 0
+            consumed, first, errors = [0] * self._streams, 0, [0] * self._streams
         ds._group = group
         self._consumed, self._next, self._group = consumed, first, group
-        self._errors = [0] * self._streams
+        self._errors = errors
         ds._arena = self._arena()
         # the groups travel as they are (DataLoader's default_convert would turn the items'
         # tuples into lists); collate_fn= was applied in the workers' pipeline
