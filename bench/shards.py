@@ -11,7 +11,9 @@ webdataset, ember, ...) so that load from other jobs hits all alike, and the bes
 kept. The page cache is warmed by
 one untimed cat first; the time cat takes to start and exit with no data is subtracted from its
 runs, so the ceiling is the read itself. Prints a table and writes bench/results/shards.json
-(or ``--out``). ``--quick`` uses a quarter of the samples.
+(or ``--out``). ``--quick`` uses a quarter of the samples; its 2-worker rows are then dominated
+by worker start-up (about 1.4x webdataset at 100 KB against about 5x in a full run), so judge the
+goals on a full run.
 
 A second table compares loader features with plain local reading in the same process (0
 workers): the second epoch of shards served over HTTP on 127.0.0.1 and read through
