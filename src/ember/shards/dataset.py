@@ -120,6 +120,18 @@ class _ErrorPolicy:
             self.on_error(exc)
 
 
+class _Position:
+    """Where a direct iteration stands: items delivered and errors counted so far. Updated for
+    every item, so it is a slotted object: its stores stay fast however the dataset's own
+    attributes are laid out (copies and unpickled workers lose CPython's compact layout)."""
+
+    __slots__ = ("consumed", "errors")
+
+    def __init__(self, consumed: int = 0, errors: int = 0):
+        self.consumed = consumed
+        self.errors = errors
+
+
 _MAX_WORKERS = 4096  # reading workers per process that the shared epoch cell can tell apart
 _AUTO = "auto"
 _warned: set[str] = set()
@@ -267,9 +279,8 @@ class ShardDataset(IterableDataset):
         self.length: int | None = None
         self._warned_streams = False
         self.epoch_length: int | None = None
-        self.error_count = 0
+        self._pos = _Position()  # fresh for each iteration and each loaded state
         self._resume: dict | None = None
-        self._consumed = 0
         self._tagged = False  # set by ShardLoader: yield (stream, error counts, items) groups
         self._group = 1
         self._arena: TransferArena | None = None  # set by ShardLoader: shared memory for groups
@@ -288,6 +299,12 @@ class ShardDataset(IterableDataset):
         if isinstance(state["_cell"], tuple):
             state["_cell"] = _EpochCell(*state["_cell"])
         self.__dict__.update(state)
+
+    @property
+    def error_count(self) -> int:
+        """Errors skipped so far in the current (or last) direct iteration, as on_error and the
+        stage handlers counted them (continued from a loaded state)."""
+        return self._pos.errors
 
     @property
     def epoch(self) -> int:
@@ -416,7 +433,7 @@ class ShardDataset(IterableDataset):
     def state_dict(self) -> dict:
         """The position of direct (main-process) iteration: load it to continue exactly there."""
         if self._running is not None:
-            epoch, consumed, errors = self._running, self._consumed, self.error_count
+            epoch, consumed, errors = self._running, self._pos.consumed, self._pos.errors
         else:
             epoch, consumed, errors = self.epoch, 0, 0
         return {"version": STATE_VERSION, "epoch": epoch, "seed": self.seed,
@@ -439,9 +456,8 @@ class ShardDataset(IterableDataset):
         self._resume = {"epoch": int(state["epoch"]), "consumed": list(state["consumed"]),
                         "next": int(state["next"]), "num_workers": int(state["num_workers"]),
                         "errors": errors}
-        self._consumed = 0
-        if len(errors) == 1:
-            self.error_count = errors[0]  # direct iteration continues counting from here
+        # direct iteration continues counting from here
+        self._pos = _Position(0, errors[0] if len(errors) == 1 else 0)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -719,24 +735,27 @@ class ShardDataset(IterableDataset):
                     return
                 if seeking and not isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
-            self._consumed = skip
+            pos = self._pos = _Position(skip, self._pos.errors)
             if counted is not None:
                 policy.count = counted  # whatever fast-forwarding counted, the run had these
-                self.error_count = counted
-            if limit is not None:
-                items = itertools.islice(items, limit)
+                pos.errors = counted
             if self._tagged:
-                yield from self._groups(items, worker, skip, policy, seeking)
+                if limit is not None:
+                    items = itertools.islice(items, limit)
+                yield from self._groups(items, worker, skip, policy, seeking, pos)
                 return
-            for item in items:
+            # positions counted by a C iterator that also ends the epoch: zip stops at the end
+            # of `positions` without drawing another item
+            positions = itertools.count(skip + 1) if limit is None else \
+                range(skip + 1, skip + limit + 1)
+            for pos.consumed, item in zip(positions, items):
                 if seeking and isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
-                self._consumed += 1
-                self.error_count = policy.count
+                pos.errors = policy.count
                 yield item
-            self.error_count = policy.count
+            pos.errors = policy.count
             self._running = None
-            self._consumed = 0
+            pos.consumed = 0
             if continued:
                 self._live = ((rank, world, worker, num_workers, start + n), full, policy)
                 keep = True
@@ -745,7 +764,7 @@ class ShardDataset(IterableDataset):
                 getattr(full, "close", lambda: None)()
 
     def _groups(self, items: Iterator, worker: int, skip: int, policy: _ErrorPolicy,
-                seeking: bool) -> Iterator[tuple[int, list[int], list]]:
+                seeking: bool, pos: _Position) -> Iterator[tuple[int, list[int], list]]:
         """A stream's items for ShardLoader, as ``(stream, error counts, items)`` groups of up to
         ``_group`` items. Groups end at multiples of ``_group`` stream positions, counted from the
         epoch's start (a resumed stream's first group is short), so a resumed loader interleaves
@@ -763,7 +782,7 @@ class ShardDataset(IterableDataset):
             for item in items:
                 if seeking and isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
-                self._consumed += 1
+                pos.consumed += 1
                 group.append(pack(item))
                 errors.append(policy.count)
                 if len(group) == room:
@@ -773,7 +792,7 @@ class ShardDataset(IterableDataset):
             if group:
                 yield worker, errors, seal(group)
             raise
-        self.error_count = policy.count
+        pos.errors = policy.count
         if group:
             yield worker, errors, seal(group)
 
