@@ -748,7 +748,7 @@ class ShardDataset(IterableDataset):
             # of `positions` without drawing another item
             positions = itertools.count(skip + 1) if limit is None else \
                 range(skip + 1, skip + limit + 1)
-            for pos.consumed, item in zip(positions, items):
+            for pos.consumed, item in zip(positions, items, strict=False):
                 if seeking and isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
                 pos.errors = policy.count
