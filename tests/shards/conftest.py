@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 
 import pytest
 
@@ -34,6 +36,23 @@ def make_shards(tmp_path):
 def shards(tmp_path):
     """Six shards of ten samples each."""
     return write_shards(tmp_path, 6, 10)
+
+
+@pytest.fixture
+def unsorted_tar(tmp_path):
+    """A tar as ``tar cf x.tar -C dir .`` writes it without ``--sort=name``: a directory entry,
+    then files in directory order, so sample ``./s1``'s two files are apart."""
+    path = tmp_path / "unsorted.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in ["./", "./s1.cls", "./s0.txt", "./s0.cls", "./s2.txt", "./s2.cls", "./s1.txt"]:
+            info = tarfile.TarInfo(name)
+            if name.endswith("/"):
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"1"))
+    return str(path)
 
 
 def sample_key(item):

@@ -119,3 +119,27 @@ def test_split_reads_a_tar_from_stdin_and_cat_tar_writes_one(tmp_path):
     got = list(wds.WebDataset(urls, shardshuffle=False).decode())
     assert sorted(s["cls"] for s in got) == list(range(6)) + list(range(10, 16))
     assert len({s["__key__"] for s in got}) == 12  # the second shard's keys were made unique
+
+
+def test_create_reads_a_tar_stream_from_stdin(tmp_path, monkeypatch, capsys):
+    """``tar cf - --sort=name -C dir . | ember shards create - -o ...``: a tar written by another
+    tool (here Python's tarfile, GNU tar's layout: a ``./`` directory entry, ``./`` names)."""
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        top = tarfile.TarInfo("./")
+        top.type = tarfile.DIRTYPE
+        tar.addfile(top)
+        for j in range(7):
+            for ext, data in (("cls", str(j).encode()), ("txt", f"text {j}".encode())):
+                info = tarfile.TarInfo(f"./s{j}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(buf.getvalue())))
+    out = tmp_path / "o-%02d.tar"
+    assert main(["shards", "create", "-", "-o", str(out), "--maxcount", "3", "-q"]) == 0
+    assert "wrote 7 samples to 3 shards" in capsys.readouterr().out
+    got = list(wds.WebDataset(expand_urls(str(tmp_path / "o-{00..02}.tar")), shardshuffle=False))
+    assert [s["__key__"] for s in got] == [f"./s{j}" for j in range(7)]
+    assert [s["txt"] for s in got] == [f"text {j}".encode() for j in range(7)]

@@ -91,6 +91,17 @@ def test_global_shuffle_of_gzipped_shards_is_refused_up_front(tmp_path, capsys):
     assert len(_read(str(tmp_path / "o-00.tar"))) == 20
 
 
+@pytest.mark.parametrize("command", [["merge"], ["split"], ["shuffle"], ["shuffle", "--buffer", "4"]])
+def test_a_sample_with_files_apart_is_refused_not_renamed(unsorted_tar, tmp_path, capsys, command):
+    # renaming the second part (as for keys that restart in another shard) would write two
+    # half samples and report success
+    out = tmp_path / "out" / "o-%02d.tar"
+    assert main(["shards", *command, unsorted_tar, "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "'./s1'" in err and "not adjacent" in err and "unsorted.tar" in err
+    assert not list((tmp_path / "out").glob("*"))  # (an absent folder globs to nothing)
+
+
 def test_failed_split_leaves_no_shard_behind(tmp_path, capsys):
     good = str(tmp_path / "good.tar")
     with wds.TarWriter(good) as w:

@@ -161,6 +161,20 @@ def _index_problem(url: str, keys: list[str]) -> str | None:
     return None
 
 
+def _split_sample(keys: list[str]) -> str | None:
+    """What is wrong where a key comes back after other samples (its files are not adjacent in
+    the tar, so readers yield it as several samples); None where every key is one sample."""
+    seen: set[str] = set()
+    for k in keys:
+        if k in seen:
+            n = keys.count(k)
+            return (f"the files of sample {k!r} are not adjacent in the tar, so it reads as {n} "
+                    "samples (write the tar with its files sorted: `tar --sort=name`, or "
+                    "`ember shards create`)")
+        seen.add(k)
+    return None
+
+
 def _verify(args) -> int:
     urls = _urls(args)
     bad = samples = bad_indexes = 0
@@ -173,6 +187,11 @@ def _verify(args) -> int:
                 print(f"CORRUPT {exc}")
                 continue
             samples += len(keys)
+            split = _split_sample(keys)
+            if split is not None:
+                bad += 1
+                print(f"SPLIT SAMPLE shard {url}: {split}")
+                continue
             problem = _index_problem(url, keys)
             if problem is not None:
                 bad_indexes += 1
@@ -242,8 +261,9 @@ def _unique_samples(samples, join: bool):
     """The samples with keys made unique: a sample split across the end of one input shard and
     the start of the next (same key, no common field) is joined back into one; any other sample
     whose key was already written is renamed ``<source shard stem>/<key>`` (keys that restart at
-    0 in every shard are common), so the output never holds two samples with one key."""
-    seen: set[str] = set()
+    0 in every shard are common), so the output never holds two samples with one key. A key
+    that comes back within one input shard (its files are not adjacent there) is refused."""
+    seen: dict[str, object] = {}  # key written -> the input shard it came from
     held = None
     for s in samples:
         if held is not None:
@@ -252,15 +272,22 @@ def _unique_samples(samples, join: bool):
                 held = {**held, **{k: v for k, v in s.items() if k != "__url__"}}
                 continue
             yield held
-        key = s["__key__"]
+        key, url = s["__key__"], s.get("__url__")
         if key in seen:
-            new = f"{_stem(s.get('__url__'))}/{key}"
+            if seen[key] == url:
+                where = "the tar stream on standard input" if url == "-" else url
+                raise ValueError(f"sample key {key!r} comes back after other samples in {where}: "
+                                 "the files of one sample are not adjacent there (or two "
+                                 "samples share the key), so it reads as several samples; "
+                                 "write that tar with its files sorted (`tar --sort=name`) "
+                                 "and run this again")
+            new = f"{_stem(url)}/{key}"
             if new in seen:
                 raise ValueError(f"sample key {key!r} of {s.get('__url__')} occurs twice and "
                                  f"{new!r} too; give the input samples unique keys")
             s = {**s, "__key__": new}
             key = new
-        seen.add(key)
+        seen[key] = url
         held = s
     if held is not None:
         yield held
@@ -381,12 +408,16 @@ def _list_samples(list_file: str):
 
 def _create(args) -> int:
     src = args.source
+    if src == "-":  # a tar stream on standard input, as `split -`
+        with _progress(_read("-"), args, unit="sample") as bar:
+            return _write_all(args, ["-"], bar, join=True)
     if args.list:
         samples = _list_samples(src)
     else:
         if not os.path.isdir(src):
             raise ValueError(f"{src} is not a folder (ImageFolder layout: one subfolder per "
-                             "class); use --list for a file of paths")
+                             "class); use --list for a file of paths, or '-' for a tar stream on "
+                             "standard input")
         classes = sorted(e for e in os.listdir(src) if os.path.isdir(os.path.join(src, e)))
         if not classes:
             raise ValueError(f"{src} has no class subfolders (ImageFolder layout)")
@@ -442,8 +473,9 @@ def register(subparsers) -> None:
                            "layout) or a list of files")]:
         q = sub.add_parser(name, help=hlp)
         if name == "create":
-            q.add_argument("source", help="a folder with one subfolder per class, or with --list "
-                           "a text file of relative paths")
+            q.add_argument("source", help="a folder with one subfolder per class, with --list "
+                           "a text file of relative paths, or '-': a tar stream on standard "
+                           "input")
             q.add_argument("--list", action="store_true", help="SOURCE is a file list")
         else:
             q.add_argument("urls", nargs="+", help="shard paths or URLs; brace patterns expand; "
