@@ -196,8 +196,17 @@ def default_collate(items: list) -> Any:
     """Collate a list of tuples/dicts/values: numbers and arrays become tensors, others lists."""
     first = items[0]
     if isinstance(first, tuple):
+        for i, it in enumerate(items):
+            if len(it) != len(first):
+                raise ValueError(f"batched: item {i} has {len(it)} fields, item 0 has "
+                                 f"{len(first)}; give items one shape or pass a collation_fn")
         return tuple(default_collate(list(col)) for col in zip(*items, strict=True))
     if isinstance(first, dict):
+        for i, it in enumerate(items):
+            if it.keys() != first.keys():
+                diff = sorted(set(first) ^ set(it), key=str)
+                raise ValueError(f"batched: item {i} and item 0 differ in the keys {diff!r}; "
+                                 "give items the same keys or pass a collation_fn")
         return {k: default_collate([it[k] for it in items]) for k in first}
     if isinstance(first, torch.Tensor):
         return torch.stack(items)

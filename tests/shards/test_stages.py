@@ -1,0 +1,47 @@
+"""ember.shards.stages.default_collate: torch's collation conventions, clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import default_collate as torch_collate
+
+from ember.shards.stages import default_collate
+
+
+def _same(a, b) -> None:
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def test_matches_torch_default_collate_on_typical_items():
+    items = [(torch.full((2, 3), float(i)), i, i / 2, np.arange(4) + i, f"s{i}",
+              {"label": i, "score": i * 0.5, "name": f"n{i}"}) for i in range(5)]
+    want = torch_collate(items)
+    # torch gives a list of columns and a column of strings as a tuple (a dict's as a list);
+    # ember keeps the items' tuple and gives every column of strings as a list
+    want[4] = list(want[4])
+    _same(default_collate(items), tuple(want))
+
+
+def test_dicts_with_different_keys_name_the_missing_key():
+    items = [{"a": 1, "b": 2}, {"a": 3}]
+    with pytest.raises(ValueError, match=r"item 1 .*'b'.*collation_fn"):
+        default_collate(items)
+
+
+def test_tuples_of_different_lengths_are_named():
+    with pytest.raises(ValueError, match=r"item 2 has 3 fields, item 0 has 2.*collation_fn"):
+        default_collate([(1, 2), (3, 4), (5, 6, 7)])
