@@ -121,15 +121,16 @@ class _ErrorPolicy:
 
 
 class _Position:
-    """Where a direct iteration stands: items delivered and errors counted so far. Updated for
-    every item, so it is a slotted object: its stores stay fast however the dataset's own
-    attributes are laid out (copies and unpickled workers lose CPython's compact layout)."""
+    """Where a direct iteration stands: items delivered so far, and the policy that counts its
+    errors. Updated for every item, so it is a slotted object: its stores stay fast however the
+    dataset's own attributes are laid out (copies and unpickled workers lose CPython's compact
+    layout)."""
 
-    __slots__ = ("consumed", "errors")
+    __slots__ = ("consumed", "policy")
 
-    def __init__(self, consumed: int = 0, errors: int = 0):
+    def __init__(self, consumed: int, policy: _ErrorPolicy):
         self.consumed = consumed
-        self.errors = errors
+        self.policy = policy
 
 
 _MAX_WORKERS = 4096  # reading workers per process that the shared epoch cell can tell apart
@@ -256,7 +257,7 @@ class ShardDataset(IterableDataset):
         self.seed = int(seed)
         self.generator = generator
         self.rank, self.world_size = rank, world_size
-        _ErrorPolicy(on_error)  # validate early
+        policy = _ErrorPolicy(on_error)  # validates on_error
         self.on_error = on_error
         if equalize not in (None, "drop", "repeat"):
             raise ValueError(f"expected equalize=None, 'drop' or 'repeat', got {equalize!r}")
@@ -279,7 +280,7 @@ class ShardDataset(IterableDataset):
         self.length: int | None = None
         self._warned_streams = False
         self.epoch_length: int | None = None
-        self._pos = _Position()  # fresh for each iteration and each loaded state
+        self._pos = _Position(0, policy)  # fresh for each iteration and each loaded state
         self._resume: dict | None = None
         self._tagged = False  # set by ShardLoader: yield (stream, error counts, items) groups
         self._group = 1
@@ -304,7 +305,7 @@ class ShardDataset(IterableDataset):
     def error_count(self) -> int:
         """Errors skipped so far in the current (or last) direct iteration, as on_error and the
         stage handlers counted them (continued from a loaded state)."""
-        return self._pos.errors
+        return self._pos.policy.count
 
     @property
     def epoch(self) -> int:
@@ -433,7 +434,7 @@ class ShardDataset(IterableDataset):
     def state_dict(self) -> dict:
         """The position of direct (main-process) iteration: load it to continue exactly there."""
         if self._running is not None:
-            epoch, consumed, errors = self._running, self._pos.consumed, self._pos.errors
+            epoch, consumed, errors = self._running, self._pos.consumed, self._pos.policy.count
         else:
             epoch, consumed, errors = self.epoch, 0, 0
         return {"version": STATE_VERSION, "epoch": epoch, "seed": self.seed,
@@ -456,8 +457,9 @@ class ShardDataset(IterableDataset):
         self._resume = {"epoch": int(state["epoch"]), "consumed": list(state["consumed"]),
                         "next": int(state["next"]), "num_workers": int(state["num_workers"]),
                         "errors": errors}
-        # direct iteration continues counting from here
-        self._pos = _Position(0, errors[0] if len(errors) == 1 else 0)
+        policy = _ErrorPolicy(self.on_error)
+        policy.count = errors[0] if len(errors) == 1 else 0  # direct iteration counts on from here
+        self._pos = _Position(0, policy)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -735,14 +737,13 @@ class ShardDataset(IterableDataset):
                     return
                 if seeking and not isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
-            pos = self._pos = _Position(skip, self._pos.errors)
             if counted is not None:
                 policy.count = counted  # whatever fast-forwarding counted, the run had these
-                pos.errors = counted
+            pos = self._pos = _Position(skip, policy)
             if self._tagged:
                 if limit is not None:
                     items = itertools.islice(items, limit)
-                yield from self._groups(items, worker, skip, policy, seeking, pos)
+                yield from self._groups(items, worker, skip, seeking, pos)
                 return
             # positions counted by a C iterator that also ends the epoch: zip stops at the end
             # of `positions` without drawing another item
@@ -751,9 +752,7 @@ class ShardDataset(IterableDataset):
             for pos.consumed, item in zip(positions, items, strict=False):
                 if seeking and isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
-                pos.errors = policy.count
                 yield item
-            pos.errors = policy.count
             self._running = None
             pos.consumed = 0
             if continued:
@@ -763,8 +762,8 @@ class ShardDataset(IterableDataset):
             if not keep:
                 getattr(full, "close", lambda: None)()
 
-    def _groups(self, items: Iterator, worker: int, skip: int, policy: _ErrorPolicy,
-                seeking: bool, pos: _Position) -> Iterator[tuple[int, list[int], list]]:
+    def _groups(self, items: Iterator, worker: int, skip: int, seeking: bool,
+                pos: _Position) -> Iterator[tuple[int, list[int], list]]:
         """A stream's items for ShardLoader, as ``(stream, error counts, items)`` groups of up to
         ``_group`` items. Groups end at multiples of ``_group`` stream positions, counted from the
         epoch's start (a resumed stream's first group is short), so a resumed loader interleaves
@@ -773,6 +772,7 @@ class ShardDataset(IterableDataset):
         shared memory."""
         size = self._group
         room = size - skip % size
+        policy = pos.policy
         arena = self._arena
         pack = (lambda item: arena.pack(worker, item)) if arena is not None else (lambda item: item)
         seal = (lambda g: arena.seal(worker, g)) if arena is not None else (lambda g: g)
@@ -792,7 +792,6 @@ class ShardDataset(IterableDataset):
             if group:
                 yield worker, errors, seal(group)
             raise
-        pos.errors = policy.count
         if group:
             yield worker, errors, seal(group)
 
