@@ -161,16 +161,20 @@ def _index_problem(url: str, keys: list[str]) -> str | None:
     return None
 
 
+def _apart(key: str, where: str) -> str:
+    """The problem of a key that comes back after other samples within one tar."""
+    return (f"the files of sample {key!r} are not adjacent in {where} (or two samples share the "
+            "key), so it reads as several samples; write the tar with its files sorted "
+            "(`tar --sort=name`, or `ember shards create` from the folder)")
+
+
 def _split_sample(keys: list[str]) -> str | None:
-    """What is wrong where a key comes back after other samples (its files are not adjacent in
-    the tar, so readers yield it as several samples); None where every key is one sample."""
+    """What is wrong where a key comes back after other samples in one shard; None where every
+    key is one sample."""
     seen: set[str] = set()
     for k in keys:
         if k in seen:
-            n = keys.count(k)
-            return (f"the files of sample {k!r} are not adjacent in the tar, so it reads as {n} "
-                    "samples (write the tar with its files sorted: `tar --sort=name`, or "
-                    "`ember shards create`)")
+            return _apart(k, "the tar")
         seen.add(k)
     return None
 
@@ -275,15 +279,11 @@ def _unique_samples(samples, join: bool):
         key, url = s["__key__"], s.get("__url__")
         if key in seen:
             if seen[key] == url:
-                where = "the tar stream on standard input" if url == "-" else url
-                raise ValueError(f"sample key {key!r} comes back after other samples in {where}: "
-                                 "the files of one sample are not adjacent there (or two "
-                                 "samples share the key), so it reads as several samples; "
-                                 "write that tar with its files sorted (`tar --sort=name`) "
-                                 "and run this again")
+                raise ValueError(_apart(key, "the tar stream on standard input" if url == "-"
+                                        else str(url)))
             new = f"{_stem(url)}/{key}"
             if new in seen:
-                raise ValueError(f"sample key {key!r} of {s.get('__url__')} occurs twice and "
+                raise ValueError(f"sample key {key!r} of {url} occurs twice and "
                                  f"{new!r} too; give the input samples unique keys")
             s = {**s, "__key__": new}
             key = new
@@ -408,9 +408,9 @@ def _list_samples(list_file: str):
 
 def _create(args) -> int:
     src = args.source
-    if src == "-":  # a tar stream on standard input, as `split -`
-        with _progress(_read("-"), args, unit="sample") as bar:
-            return _write_all(args, ["-"], bar, join=True)
+    if src == "-":  # a tar stream on standard input: what `split -` does
+        args.urls = ["-"]
+        return _reshard(args)
     if args.list:
         samples = _list_samples(src)
     else:
