@@ -38,20 +38,35 @@ def shards(tmp_path):
     return write_shards(tmp_path, 6, 10)
 
 
+def tar_bytes(members: list[tuple[str, bytes | None]]) -> bytes:
+    """A tar in GNU tar's format holding ``members`` in order: ``(name, data)``, data None for a
+    directory entry."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def make_tar():
+    """``make_tar([(name, data or None for a directory), ...])`` -> the bytes of that tar."""
+    return tar_bytes
+
+
 @pytest.fixture
 def unsorted_tar(tmp_path):
     """A tar as ``tar cf x.tar -C dir .`` writes it without ``--sort=name``: a directory entry,
     then files in directory order, so sample ``./s1``'s two files are apart."""
     path = tmp_path / "unsorted.tar"
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for name in ["./", "./s1.cls", "./s0.txt", "./s0.cls", "./s2.txt", "./s2.cls", "./s1.txt"]:
-            info = tarfile.TarInfo(name)
-            if name.endswith("/"):
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            else:
-                info.size = 1
-                tar.addfile(info, io.BytesIO(b"1"))
+    names = ["./s1.cls", "./s0.txt", "./s0.cls", "./s2.txt", "./s2.cls", "./s1.txt"]
+    path.write_bytes(tar_bytes([("./", None)] + [(n, b"1") for n in names]))
     return str(path)
 
 

@@ -151,11 +151,10 @@ def test_missing_shard_is_a_one_line_error(shards, tmp_path, capsys, action):
 
 def test_verify_reports_a_sample_whose_files_are_not_adjacent(unsorted_tar, capsys):
     # readers (webdataset's too) yield such a sample as two samples, each missing fields
-    path = unsorted_tar
-    assert main(["shards", "verify", str(path), "-q"]) == 1
+    assert main(["shards", "verify", unsorted_tar, "-q"]) == 1
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("SPLIT SAMPLE"))
-    assert str(path) in line and "'./s1'" in line and "--sort=name" in line
+    assert unsorted_tar in line and "'./s1'" in line and "--sort=name" in line
     assert "0 of 1 shards ok" in out
 
 

@@ -121,22 +121,14 @@ def test_split_reads_a_tar_from_stdin_and_cat_tar_writes_one(tmp_path):
     assert len({s["__key__"] for s in got}) == 12  # the second shard's keys were made unique
 
 
-def test_create_reads_a_tar_stream_from_stdin(tmp_path, monkeypatch, capsys):
+def test_create_reads_a_tar_stream_from_stdin(tmp_path, monkeypatch, capsys, make_tar):
     """``tar cf - --sort=name -C dir . | ember shards create - -o ...``: a tar written by another
     tool (here Python's tarfile, GNU tar's layout: a ``./`` directory entry, ``./`` names)."""
-    import tarfile
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        top = tarfile.TarInfo("./")
-        top.type = tarfile.DIRTYPE
-        tar.addfile(top)
-        for j in range(7):
-            for ext, data in (("cls", str(j).encode()), ("txt", f"text {j}".encode())):
-                info = tarfile.TarInfo(f"./s{j}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(buf.getvalue())))
+    members = [("./", None)]
+    for j in range(7):
+        members += [(f"./s{j}.cls", str(j).encode()), (f"./s{j}.txt", f"text {j}".encode())]
+    data = make_tar(members)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
     out = tmp_path / "o-%02d.tar"
     assert main(["shards", "create", "-", "-o", str(out), "--maxcount", "3", "-q"]) == 0
     assert "wrote 7 samples to 3 shards" in capsys.readouterr().out
