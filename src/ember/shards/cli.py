@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from ember.shards.dataset import ShardDataset, _samples, iter_shard
+from ember.shards.dataset import ShardDataset
 from ember.shards.decode import IMAGE_EXTENSIONS
 from ember.shards.errors import ShardError
 from ember.shards.index import (
@@ -25,6 +25,7 @@ from ember.shards.index import (
     sample_count,
     write_index,
 )
+from ember.shards.reading import _samples, iter_shard
 from ember.shards.urls import UrlOptions, expand_urls, local_path
 from ember.shards.writer import ShardWriter, TarWriter, shard_path
 
