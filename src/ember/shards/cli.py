@@ -504,7 +504,11 @@ def register(subparsers) -> None:
         q.set_defaults(func=_guarded(name, fn))
 
 
-if __name__ == "__main__":
-    from ember.cli import main
+if __name__ == "__main__":  # python -m ember.shards.cli ...: `ember shards ...` (the layer below
+    # the ember command cannot import it, docs/architecture.md)
+    import argparse
 
-    sys.exit(main(["shards", *sys.argv[1:]]))
+    _parser = argparse.ArgumentParser(prog="ember")
+    register(_parser.add_subparsers(dest="command", metavar="COMMAND"))
+    _args = _parser.parse_args(["shards", *sys.argv[1:]])
+    sys.exit(int(_args.func(_args) or 0))
