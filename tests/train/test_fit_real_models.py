@@ -117,7 +117,8 @@ def _fast_run(tmp_path, kill_at=None, resume=None, precision="fp32"):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     names = [n for n, _ in model.named_parameters()][-2:]  # the last layer
     cfg = TrainConfig(epochs=3, ema_decay=0.9, swa_start=1, swa_lr=0.01, swa_lr_max=0.05,
-                      swa_schedule="cyclic", swa_cycle=4, swa_every_steps=1, swag_diagonal=True,
+                      swa_schedule="cyclic", swa_cycle=4, swa_every_steps=1, swag_rank=20,
+                      swag_diagonal=True,
                       swag_params=tuple(names), bn_batches=1, progress=False,
                       checkpoint_dir=tmp_path / "ckpt", resume=resume, precision=precision)
 

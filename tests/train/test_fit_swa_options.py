@@ -127,7 +127,7 @@ def test_scheduler_interval_step_steps_the_user_scheduler_after_every_optimizer_
 
 
 def test_swag_options_reach_the_posterior():
-    config = TrainConfig(epochs=2, swa_start=1, swa_lr=0.05, swa_every_steps=1,
+    config = TrainConfig(epochs=2, swa_start=1, swa_lr=0.05, swa_every_steps=1, swag_rank=20,
                          swag_diagonal=True, swag_params=("4.weight", "4.bias"),
                          swag_device="cpu", progress=False)
     result, seen, _ = _fit(config)
@@ -189,7 +189,8 @@ def test_swa_eval_without_bn_loader_says_why_it_is_skipped():
     (dict(swa_start=0, swa_lr=0.1, swa_cycle=4), "for swa_schedule='cyclic'"),
     (dict(scheduler_interval="batch"), "scheduler_interval"),
     (dict(swa_start=0, swa_lr=0.1, swag_rank=None, swag_diagonal=True), "no SWAG"),
-    (dict(swa_start=0, swa_lr=0.1, swag_params="4.weight"), "sequence of parameter names"),
+    (dict(swa_start=0, swa_lr=0.1, swag_rank=2, swag_params="4.weight"),
+     "sequence of parameter names"),
     (dict(bn_batches=0), "bn_batches"),
 ])
 def test_bad_combinations_are_config_errors(kw, match):
@@ -200,6 +201,13 @@ def test_bad_combinations_are_config_errors(kw, match):
 def test_unknown_swag_param_name_is_a_clear_error():
     model, opt, loader = _setup()
     config = TrainConfig(epochs=1, swa_start=0, swa_lr=0.05, swag_params=("9.weight",),
-                         progress=False)
+                         swag_rank=2, progress=False)
     with pytest.raises(ConfigError, match="9.weight"):
         fit(model, opt, loader, config)
+
+
+def test_swag_is_opt_in():
+    # issue 28: SWA used to turn on a rank-20 SWAG (22 copies of the weights) by default
+    assert TrainConfig(epochs=2, swa_start=1, swa_lr=0.05).swag_rank is None
+    result, _, _ = _fit(TrainConfig(epochs=2, swa_start=1, swa_lr=0.05, progress=False))
+    assert result.swa is not None and result.swag is None

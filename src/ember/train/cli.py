@@ -103,8 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     loop.add_argument("--swa-lr", type=float, default=None, help="SWA learning rate (default: lr/2)")
     loop.add_argument("--swa-anneal-epochs", type=int, default=1, metavar="N",
                       help="epochs of cosine annealing to --swa-lr (default: %(default)s)")
-    loop.add_argument("--swag-rank", type=int, default=20, metavar="K",
-                      help="SWAG deviation rank; 0 collects SWA only (default: %(default)s)")
+    loop.add_argument("--swag-rank", type=int, default=0, metavar="K",
+                      help="also collect a SWAG posterior of this deviation rank (the paper: 20); "
+                      "0 collects SWA only (default: %(default)s)")
     dp = p.add_argument_group("differential privacy (DP-SGD through Opacus on ember.csprng)")
     dp.add_argument("--dp-epsilon", type=float, default=None, metavar="E",
                     help="train with DP-SGD for the budget (E, --dp-delta) over --epochs: the noise "

@@ -68,7 +68,8 @@ class TrainConfig:
     - ``max_grad_norm``: clip the total gradient norm (after unscaling) to this.
     - ``swa_start``: first epoch (0-based) of the SWA phase, or None for no SWA. In the phase the
       learning rate follows ``swa_schedule`` and, after each epoch (or every ``swa_every_steps``
-      optimizer steps), the weights are added to SWA and (if ``swag_rank``) to a SWAG posterior of
+      optimizer steps), the weights are added to SWA and (if ``swag_rank`` is set: opt-in, the
+      paper uses 20, and it keeps ``swag_rank + 2`` copies of the weights) to a SWAG posterior of
       that rank. ``swa_schedule``: ``"anneal"`` (SWALR to ``swa_lr`` over ``swa_anneal_epochs``
       epochs, ``swa_anneal_strategy`` ``"cos"`` or ``"linear"``), ``"constant"`` (``swa_lr`` from
       the first step of the phase) or ``"cyclic"`` (per step from ``swa_lr_max`` down to
@@ -103,7 +104,7 @@ class TrainConfig:
     swa_start: int | None = None
     swa_lr: float | None = None
     swa_anneal_epochs: int = 1
-    swag_rank: int | None = 20
+    swag_rank: int | None = None
     swa_every_steps: int | None = None
     swa_schedule: str = "anneal"
     swa_anneal_strategy: str = "cos"
