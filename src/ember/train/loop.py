@@ -73,9 +73,11 @@ class TrainConfig:
       that rank. ``swa_schedule``: ``"anneal"`` (SWALR to ``swa_lr`` over ``swa_anneal_epochs``
       epochs, ``swa_anneal_strategy`` ``"cos"`` or ``"linear"``), ``"constant"`` (``swa_lr`` from
       the first step of the phase) or ``"cyclic"`` (per step from ``swa_lr_max`` down to
-      ``swa_lr`` in cycles of ``swa_cycle`` steps; collection at each cycle end, or, with
+      ``swa_lr`` in cycles of ``swa_cycle`` steps, ``swa_cycle_shape`` ``"linear"`` or
+      ``"cosine"`` (fast-SWA's reference); collection at each cycle end, or, with
       ``swa_every_steps``, fast-SWA: every that many steps back from each cycle end within the
-      second half of the cycle, see :class:`ember.swa.FastSWASchedule`).
+      window from ``swa_collect_start`` (a fraction of the cycle; 0, the default, is the whole
+      cycle as in the reference, 0.5 the late half), see :class:`ember.swa.FastSWASchedule`).
     - SWAG: ``swag_device`` (where its statistics live, CPU by default), ``swag_diagonal``
       (no deviation ring), ``swag_params`` (parameter names to build the posterior over).
     - ``scheduler_interval``: step the user's ``scheduler`` after every ``"epoch"`` or every
@@ -110,6 +112,8 @@ class TrainConfig:
     swa_anneal_strategy: str = "cos"
     swa_lr_max: float | None = None
     swa_cycle: int | None = None
+    swa_cycle_shape: str = "linear"
+    swa_collect_start: float = 0.0
     swag_diagonal: bool = False
     swag_device: str = "cpu"
     swag_params: tuple[str, ...] | None = None
@@ -184,6 +188,14 @@ class TrainConfig:
             if self.swa_cycle is not None or self.swa_lr_max is not None:
                 raise ConfigError("swa_cycle and swa_lr_max are for swa_schedule='cyclic', got "
                                   f"swa_schedule={self.swa_schedule!r}")
+        if self.swa_cycle_shape not in ("linear", "cosine"):
+            raise ConfigError(f"swa_cycle_shape must be 'linear' or 'cosine', got "
+                              f"{self.swa_cycle_shape!r}")
+        if isinstance(self.swa_collect_start, bool) \
+                or not isinstance(self.swa_collect_start, (int, float)) \
+                or not 0.0 <= self.swa_collect_start <= 1.0:
+            raise ConfigError(f"swa_collect_start must be a fraction of the cycle in [0, 1], got "
+                              f"{self.swa_collect_start!r}")
         if self.scheduler_interval not in ("epoch", "step"):
             raise ConfigError(f"scheduler_interval must be 'epoch' or 'step', got "
                               f"{self.scheduler_interval!r}")
@@ -342,7 +354,7 @@ def _make_swalr(optimizer: torch.optim.Optimizer, config: TrainConfig) -> LRSche
     """The SWA phase's rate schedule (SWALR per epoch, or CyclicSWALR per step)."""
     if config.swa_schedule == "cyclic":
         return CyclicSWALR(optimizer, lr_max=config.swa_lr_max, lr_min=config.swa_lr,
-                           cycle=config.swa_cycle)
+                           cycle=config.swa_cycle, shape=config.swa_cycle_shape)
     if config.swa_schedule == "constant":  # a cycle of one step is the constant rate lr_min
         return CyclicSWALR(optimizer, lr_max=config.swa_lr, lr_min=config.swa_lr, cycle=1)
     return SWALR(optimizer, swa_lr=config.swa_lr, anneal_epochs=config.swa_anneal_epochs,
@@ -356,12 +368,15 @@ def _settings(config: TrainConfig) -> dict[str, Any]:
             "swa_every_steps": config.swa_every_steps, "swa_schedule": config.swa_schedule,
             "swa_cycle": config.swa_cycle, "swag_diagonal": config.swag_diagonal,
             "swag_params": None if config.swag_params is None else list(config.swag_params),
-            "scheduler_interval": config.scheduler_interval}
+            "scheduler_interval": config.scheduler_interval,
+            "swa_cycle_shape": config.swa_cycle_shape,
+            "swa_collect_start": config.swa_collect_start}
 
 
 # what checkpoints written before an option existed were trained with
 _LEGACY_SETTINGS = {"swa_every_steps": None, "swa_schedule": "anneal", "swa_cycle": None,
-                    "swag_diagonal": False, "swag_params": None, "scheduler_interval": "epoch"}
+                    "swag_diagonal": False, "swag_params": None, "scheduler_interval": "epoch",
+                    "swa_cycle_shape": "linear", "swa_collect_start": 0.5}
 
 
 def _checkpoint_state(world: World, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -526,7 +541,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                         params=config.swag_params, device=config.swag_device)
         except ValueError as err:
             raise ConfigError(f"TrainConfig.swag_params/swag_device: {err}") from err
-    fast = FastSWASchedule(config.swa_cycle, config.swa_every_steps) \
+    fast = FastSWASchedule(config.swa_cycle, config.swa_every_steps,
+                           start=config.swa_collect_start) \
         if config.swa_schedule == "cyclic" and config.swa_every_steps is not None else None
 
     def collect_swa() -> None:
