@@ -211,11 +211,17 @@ def _swap_phases(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     small = image_class_loader(args.data, batch, seed=max(args.seed, 0) + 1 + world.rank,
                                shuffle=args.shuffle_buffer or 1000, grayscale=args.grayscale,
                                num_workers=args.workers, split_ranks=False)
+    try:
+        len(small)
+        schedule = "linear"  # the paper's decay over phase 2
+    except TypeError:
+        schedule = "constant"  # a stream of unknown length: no end to decay towards
     losses, used = refine_and_average(
         model, optimizer, small, phase2_epochs=args.swap_phase2_epochs, phase2_lr=args.swap_lr,
-        bn_batches=args.swap_bn_batches, loss_fn=loss_fn)
+        phase2_schedule=schedule, bn_batches=args.swap_bn_batches, loss_fn=loss_fn)
     digests = all_gather_objects(weights_digest(model), world)
     record = {"phase2_epochs": args.swap_phase2_epochs, "phase2_batch_size": batch,
+              "phase2_schedule": schedule,
               "phase2_losses": all_gather_objects(losses, world), "bn_batches": used,
               "rank_digests": digests, "ranks_equal": len(set(digests)) == 1}
     if test is not None and world.is_main:

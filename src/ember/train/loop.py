@@ -491,7 +491,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
     adds test accuracy and NLL of every model kept (raw ``eval_*``, ``eval_ema_*``, and
     ``eval_swa_*`` with BatchNorm recomputed on ``bn_loader``) to each epoch's record.
     ``bn_loader`` recomputes the SWA model's BatchNorm statistics at the end. ``on_step(step,
-    record)`` is called after every optimizer step (and after that step's checkpoint, if any).
+    record)`` is called after every optimizer step (and after that step's checkpoint, if any);
+    it may raise :class:`StopTraining` to end training there.
 
     Run under ``torchrun`` to train with DistributedDataParallel (gloo on CPU): each rank must
     read its own part of the data with the same number of batches (``ShardDataset(...,
@@ -511,6 +512,12 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
                     eval_loader, bn_loader, on_step, world, privacy)
     finally:
         shutdown(world)
+
+
+class StopTraining(Exception):  # noqa: N818 (a signal, not an error)
+    """Raise from ``fit``'s ``on_step`` to end training after that step: the epoch's bookkeeping
+    (history, evaluation, checkpoint) runs, then ``fit`` finishes and returns normally. Under
+    DDP every rank must raise at the same step."""
 
 
 def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, scheduler,
@@ -589,6 +596,7 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             save_checkpoint(ckpt_path, state)
 
     bar = _progress_bar(config.progress and world.is_main)
+    stop = False  # on_step raised StopTraining
     try:
         for epoch in range(progress.epoch, config.epochs):
             in_swa_phase = config.swa_start is not None and epoch >= config.swa_start
@@ -652,7 +660,11 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 if config.checkpoint_every and progress.step % config.checkpoint_every == 0:
                     checkpoint()
                 if on_step is not None:
-                    on_step(progress.step, record)
+                    try:
+                        on_step(progress.step, record)
+                    except StopTraining:
+                        stop = True
+                        break
 
             leftover = progress.micro % config.accumulate
             if leftover:
@@ -679,6 +691,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             progress.epoch, progress.micro, progress.epoch_loss_sum = epoch + 1, 0, 0.0
             if ckpt_path is not None:
                 checkpoint()
+            if stop:
+                break
 
         # each rank's last forward updated its own BatchNorm statistics: agree on rank 0's
         for kept in (model, swa.module if swa is not None else None,
