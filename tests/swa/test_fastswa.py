@@ -112,7 +112,8 @@ def test_quick_experiment_rows_have_the_contract_keys_and_finite_numbers():
     assert "fast-SWA" in bench.PROTOCOL
     rows = bench.experiment(quick=True, seeds=[0])
     assert {(r["method"], r["test_set"]) for r in rows} == {
-        (m, t) for m in ("SGD", "SWA", "fast-SWA") for t in ("clean", "pixel noise", "rotation")}
+        (m, t) for m in ("SGD (cosine)", "SGD", "SWA", "cyclic SWA (1/cycle)", "fast-SWA")
+        for t in ("clean", "pixel noise", "rotation")}
     for r in rows:
         assert r["experiment"] == "fastswa" and r["n_seeds"] == 1
         for metric in ("accuracy", "nll", "ece", "wall_s"):

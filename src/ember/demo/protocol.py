@@ -263,7 +263,7 @@ def _early_stopped(seed: int, settings: DemoSettings, x: torch.Tensor, y: torch.
             loss = nn.functional.cross_entropy(model(x_fit[j]), y_fit[j])
             loss.backward()
             opt.step()
-            total, n = total + float(loss), n + 1
+            total, n = total + float(loss.detach()), n + 1
         val = accuracy(_probs(model, _batches(x_val, y_val)), y_val)
         test = accuracy(*_probs_and_labels(model, eval_batches))
         history.append({"epoch": epoch, "train_loss": total / max(n, 1), "val_accuracy": val,

@@ -99,7 +99,7 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
     swags, last_model = [], None
     for seed in settings.seeds:
         print(f"seed {seed}: training SGD (cosine) and the SWA run, {settings.epochs} epochs "
-              "each ...", flush=True)
+              "each, and early-stopped SGD ...", flush=True)
         runs = _train_seed(seed, settings, shards["train"], eval_batches, bn_batches, out, progress)
         sgd, swa = runs["sgd"], runs["swa"]
         histories["SGD, cosine LR"].append(sgd.history)
