@@ -28,7 +28,7 @@ after every epoch of the second half the weights go into ember.swa.SWA and a SWA
 - "SWA": the SWA mean.
 - "SWAG": ember.swa.bayesian_average, 20 samples (quick: 5), scale 0.5.
 - "Subspace ESS T=t": Subspace.from_swag(rank 5; quick: 2), prior N(0, 2^2 I) on the
-  coordinates, likelihood tempered by t (log-likelihood / t), log-likelihood = -sum of
+  coordinates, likelihood tempered by the temperature t (log-likelihood / t), log-likelihood = -sum of
   cross-entropy over the whole training set (N = 1257) at the reconstructed weights (model in
   eval mode with the SWA model's BatchNorm statistics); elliptical slice sampling from z=0, 20
   burn-in steps (quick: 5), 20 samples (quick: 5), thin 2; BMA with BatchNorm recomputed per
