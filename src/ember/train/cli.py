@@ -75,6 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="sample shuffle buffer; 0 reads in order (default: %(default)s)")
     data.add_argument("--workers", type=int, default=0, metavar="N",
                       help="DataLoader worker processes reading shards (default: %(default)s)")
+    data.add_argument("--ray-address", default=None, metavar="ADDR",
+                      help="read and decode the training shards with Ray tasks on this cluster "
+                      "('auto', 'HOST:6379', 'ray://HOST:10001'; needs ember[ray]); every "
+                      "process connects and gets its own equal share")
     model = p.add_argument_group("model and optimiser")
     model.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
                        help="mlp: two hidden layers on flattened pixels; cnn: two conv layers "
@@ -158,6 +162,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--num-classes must be >= 2, got {args.num_classes}")
     if args.shuffle_buffer < 0 or args.workers < 0:
         raise ConfigError("--shuffle-buffer and --workers must be >= 0")
+    if args.ray_address is not None and args.workers:
+        raise ConfigError("--workers applies to local reading; with --ray-address the Ray "
+                          "cluster's CPUs read the shards (drop --workers)")
     if args.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
     if args.swag_rank < 0:
@@ -261,7 +268,12 @@ def run(args: argparse.Namespace) -> int:
                                 weight_decay=args.weight_decay)
     train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
                                shuffle=args.shuffle_buffer, grayscale=args.grayscale,
-                               num_workers=args.workers)
+                               num_workers=args.workers, ray_address=args.ray_address)
+    if args.ray_address is not None:
+        try:
+            train.connect()
+        except (ImportError, ConnectionError) as exc:
+            raise ConfigError(f"--ray-address: {exc}") from None
     if privacy is not None:
         train = _in_memory_loader(train, args.batch_size)
     test = None
