@@ -473,7 +473,8 @@ class RayShardLoader:
         spec = _Spec(urls=ds.urls, options=ds.options, stages=per_sample, batch=batch,
                      seed=ds.seed, generator=ds.generator, raise_errors=ds.on_error == "raise",
                      group=self.transfer_group)
-        remote = ray.remote(run_shard).options(**self.ray_remote_args)
+        # "streaming": each object a task yields reaches this process while the task goes on
+        remote = ray.remote(run_shard).options(num_returns="streaming", **self.ray_remote_args)
         spec_ref = ray.put(spec)
         window = self._window(ray)
         first, skip = pos["task"], pos["taken"]
