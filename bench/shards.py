@@ -169,6 +169,7 @@ def _features(d: str, label: str, files: list[str], n: int, repeat: int) -> list
 RAY_IMAGE = 256  # side of the PNG images written
 RAY_RESIZE = 112  # side they are resized to
 RAY_BATCH = 32
+RAY_NODE_CPUS = 16  # CPUs of a cluster node in the projection to more nodes
 
 
 def _image_shards(d: str, nshards: int, per_shard: int) -> list[str]:
@@ -284,6 +285,16 @@ def ray_main(args: argparse.Namespace) -> int:
               f"{over['median']:13.0f} {cpu['median']:16.0f}")
     print(f"Ray time / local time: median {result['ray_time_over_local']['median']:.2f} "
           f"[{result['ray_time_over_local']['min']:.2f}, {result['ray_time_over_local']['max']:.2f}]")
+    # scaling: each node adds its CPUs x the rate of one task slot; the training process pays
+    # its own CPU time per sample whatever the cluster's size, which caps what one trainer takes
+    slot = rows["ray"]["samples_per_s"]["median"] / slots
+    cap = 1e6 / rows["ray"]["trainer_cpu_us_per_sample"]["median"]
+    result["projection"] = {"per_slot_samples_per_s": slot, "trainer_cap_samples_per_s": cap,
+                            "cpus_per_node": RAY_NODE_CPUS,
+                            "nodes": {k: min(k * RAY_NODE_CPUS * slot, cap) for k in (1, 2, 4, 8)}}
+    print(f"projection: {slot:.0f} samples/s per task slot, one trainer takes at most {cap:.0f} "
+          f"samples/s; nodes of {RAY_NODE_CPUS} CPUs: " + ", ".join(
+              f"{k}: {v:.0f}" for k, v in result["projection"]["nodes"].items()))
     out = args.out if args.out_given else args.out.with_name("shards_ray.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -96,6 +96,22 @@ def test_one_consumer_gets_every_sample_once_in_a_reproducible_order(cluster, sh
     assert first == local
 
 
+def _slow_first_shard(item):
+    import time
+
+    if int(item[0][1:]) < PER_SHARD:
+        time.sleep(0.05)
+    return item
+
+
+def test_order_is_the_plans_not_the_order_tasks_finish(cluster, shards):
+    pattern, _, keys = shards
+    # shard 0's task is the slowest, so later shards finish first; they still come after it
+    ds = ShardDataset(pattern, shuffle_shards=False).to_tuple("__key__ cls").map(
+        _slow_first_shard)
+    assert _keys(RayShardLoader(ds, max_in_flight=3)) == keys
+
+
 def test_two_consumers_split_every_sample_once_in_batches(cluster, shards):
     pattern, _, keys = shards
     ds = ShardDataset(pattern, seed=3).decode("torchrgb").to_tuple("__key__ png cls").batched(5)
@@ -126,6 +142,11 @@ def test_two_consumers_with_equalize_drop_get_equal_streams(cluster, shards):
     assert set(got[0] + got[1]) <= set(keys)
     # the same samples as local reading with one worker per rank (batches cut differently)
     assert [sorted(g) for g in got] == [sorted(x) for x in local]
+
+    ds = ShardDataset(pattern, seed=1, equalize="repeat").to_tuple("__key__ cls")
+    got = [_keys(part) for part in RayShardLoader(ds).split(2)]
+    assert len(got[0]) == len(got[1]) > NSAMPLES // 2
+    assert set(got[0] + got[1]) == set(keys)  # everything, a few samples twice
 
 
 @pytest.fixture(scope="module")
