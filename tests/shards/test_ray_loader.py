@@ -275,3 +275,44 @@ def test_fit_and_ember_train_from_the_cluster(cluster, shards, tmp_path):
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == -(-NSAMPLES // 8)
+
+
+def _noisy(item):
+    """An augmentation drawing from torch's global generator (seeded per task on the workers)."""
+    image, label = item
+    return image + 0.1 * torch.rand_like(image), label
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+def test_fit_killed_mid_epoch_and_resumed_is_bit_identical(cluster, shards, tmp_path):
+    from ember.train import TrainConfig, fit, weights_digest
+
+    pattern, _, _ = shards
+
+    def run(out, kill_at=None, **kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        # batches of 3 from shards of 8: every shard leaves 2 samples to batch in the trainer
+        loader = RayShardLoader(ShardDataset(pattern, seed=9).shuffle(4).decode("torchrgb")
+                                .to_tuple("png cls").map(_noisy).batched(3))
+
+        def on_step(step, record):
+            if step == kill_at:
+                raise _Killed(step)
+
+        config = TrainConfig(epochs=2, checkpoint_dir=out, checkpoint_every=3, progress=False,
+                             **kw)
+        result = fit(model, opt, loader, config, on_step=on_step)
+        return weights_digest(result.model), result.steps
+
+    reference = run(tmp_path / "ref")
+    assert reference[1] == 2 * 15
+    with pytest.raises(_Killed):
+        run(tmp_path / "cut", kill_at=7)  # checkpointed at step 6, inside epoch 0
+    state = torch.load(tmp_path / "cut" / "last.pt", weights_only=False)
+    assert state["ranks"][0]["data"]["task"] > 0  # a mid-epoch position
+    assert run(tmp_path / "cut", resume="auto") == reference
