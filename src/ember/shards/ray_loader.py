@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from ember.shards import plan, stages
+from ember.shards.dataset import _HANDLED, ShardDataset, _one_to_one
 from ember.shards.errors import ShardError
+from ember.shards.reading import _ErrorPolicy, iter_shard, rank_and_world
 
 if TYPE_CHECKING:
-    from ember.shards.dataset import ShardDataset
     from ember.shards.urls import UrlOptions
 
 __all__ = ["RayShardLoader"]
@@ -38,7 +39,6 @@ DEFAULT_TRANSFER_GROUP = 128  # items per object a task sends when the pipeline 
 # stages a task runs on the samples of its one shard (shuffle and rsample: within the shard)
 _PER_SHARD = ("shuffle", "rsample", "decode", "map", "map_dict", "map_tuple", "rename", "select",
               "to_tuple")
-_HANDLED = ("decode", "map", "map_dict", "map_tuple", "to_tuple")
 
 
 def _ray() -> Any:
@@ -104,8 +104,6 @@ def _seed_globals(seed: int) -> None:
 def _shard_samples(url: str, options: UrlOptions, limit: int | None, out: _Outcome,
                    on_error: Callable[[Exception], None]) -> Iterator[dict]:
     """The first ``limit`` (all if None) samples of one shard; a ShardError goes to on_error."""
-    from ember.shards import iter_shard
-
     if limit == 0:
         return
     samples = iter_shard(url, options)
@@ -121,10 +119,39 @@ def _shard_samples(url: str, options: UrlOptions, limit: int | None, out: _Outco
         samples.close()
 
 
+class _TaskErrors:
+    """The dataset's on_error on a worker, for ``_one_to_one``: ``"raise"`` raises, anything
+    else keeps the error for the training process's on_error. ``count`` counts the items that
+    stage handlers skipped; ``stopped`` is set when a handler ended the stream."""
+
+    def __init__(self, raise_errors: bool, where: str):
+        self.raise_errors = raise_errors
+        self.where = where
+        self.count = 0
+        self.skipped: list[BaseException] = []
+        self.stopped = False
+
+    def __call__(self, exc: Exception) -> None:
+        if self.raise_errors:
+            raise exc
+        self.skipped.append(_portable(exc, self.where))
+
+    def watch(self, handler: Callable[[Exception], Any]) -> Callable[[Exception], Any]:
+        """``handler``, noting when it ends the stream (returns False)."""
+        def handle(exc: Exception) -> Any:
+            go_on = handler(exc)
+            if not go_on:
+                self.stopped = True
+            return go_on
+
+        return handle
+
+
 def _stage(src: Iterator, kind: str, p: tuple, index: int, spec: _Spec, draws: tuple,
-           on_error: Callable[[Exception], None], out: _Outcome) -> Iterator:
-    """Stage ``index`` of the pipeline (``kind`` with payload ``p``) over ``src``, with the same
-    stage functions and handler rules as local reading."""
+           errors: _TaskErrors) -> Iterator:
+    """Stage ``index`` of the pipeline (``kind`` with payload ``p``) over ``src``: the same stage
+    functions, handler rules and error counting as local reading; shuffle and rsample draw from
+    a generator of (seed, epoch, shard, visit, stage)."""
     if kind in ("shuffle", "rsample"):
         g = plan.make_generator(plan.derive_seed(spec.seed, "ray", *draws, index),
                                 copy.deepcopy(spec.generator))
@@ -132,43 +159,8 @@ def _stage(src: Iterator, kind: str, p: tuple, index: int, spec: _Spec, draws: t
             return stages.shuffle(src, p[0], p[1], g)
         return stages.rsample(src, p[0], g)
     if kind in _HANDLED and p[-1] is not None:
-        handler = p[-1]
-
-        def handle(exc: Exception) -> Any:
-            go_on = handler(exc)
-            if not go_on:
-                out.stopped = True
-            return go_on
-
-        def count() -> None:
-            out.handled += 1
-
-        return stages.handled(src, _per_item(kind, p[:-1]), handle, count)
-    if kind == "decode":
-        return stages.decode(src, p[0], on_error)
-    if kind == "map":
-        return stages.map_samples(src, p[0])
-    if kind == "map_dict":
-        return stages.map_dict(src, p[0])
-    if kind == "map_tuple":
-        return stages.map_tuple(src, p[0])
-    if kind == "rename":
-        return stages.rename(src, p[0], p[1])
-    if kind == "select":
-        return stages.select(src, p[0])
-    if kind == "to_tuple":
-        return stages.to_tuple(src, p[0], p[1])
-    raise AssertionError(kind)  # pragma: no cover (checked when the loader is made)
-
-
-def _per_item(kind: str, p: tuple) -> Callable[[Any], Any]:
-    """The item-to-item function of a one-to-one stage (for stages.handled)."""
-    if kind in ("decode", "map"):
-        return p[0]
-    gen = {"map_dict": lambda src: stages.map_dict(src, p[0]),
-           "map_tuple": lambda src: stages.map_tuple(src, p[0]),
-           "to_tuple": lambda src: stages.to_tuple(src, p[0], p[1])}[kind]
-    return lambda item: next(gen(iter((item,))))
+        p = p[:-1] + (errors.watch(p[-1]),)
+    return _one_to_one(kind, p, errors)(src)
 
 
 def _full_batches(items: Iterator, size: int, collate: Callable | None,
@@ -194,15 +186,10 @@ def run_shard(spec: _Spec, shard: int, epoch: int, visit: int, limit: int | None
     draws = (epoch, shard, visit)
     _seed_globals(plan.derive_seed(spec.seed, "ray-globals", *draws))
     out = _Outcome()
-
-    def on_error(exc: Exception) -> None:  # shard and decode errors: the dataset's on_error
-        if spec.raise_errors:
-            raise exc
-        out.skipped.append(_portable(exc, where))
-
-    src: Iterator = _shard_samples(url, spec.options, limit, out, on_error)
+    errors = _TaskErrors(spec.raise_errors, where)
+    src: Iterator = _shard_samples(url, spec.options, limit, out, errors)
     for i, (kind, p) in enumerate(spec.stages):
-        src = _stage(src, kind, p, i, spec, draws, on_error, out)
+        src = _stage(src, kind, p, i, spec, draws, errors)
     if spec.batch is not None:
         src = _full_batches(src, spec.batch[0], spec.batch[1], out)
     group: list = []
@@ -223,25 +210,11 @@ def run_shard(spec: _Spec, shard: int, epoch: int, visit: int, limit: int | None
             close()
     if group:
         yield group
+    out.handled, out.skipped, out.stopped = errors.count, errors.skipped, errors.stopped
     yield out
 
 
 # ---- the training process's side ---------------------------------------------------------------
-
-class _OnError:
-    """The dataset's on_error, applied in the training process to errors a task skipped."""
-
-    def __init__(self, on_error: str | Callable[[Exception], Any]):
-        self.on_error = on_error
-        self.count = 0
-
-    def __call__(self, exc: Exception) -> None:
-        self.count += 1
-        if self.on_error == "warn":
-            warnings.warn(f"skipped: {exc} ({self.count} errors so far)", stacklevel=3)
-        elif callable(self.on_error):
-            self.on_error(exc)
-
 
 @dataclass
 class _Task:
@@ -288,8 +261,6 @@ class RayShardLoader:
                  rank: int | None = None, world_size: int | None = None,
                  max_in_flight: int | None = None, transfer_group: int | None = None,
                  ray_remote_args: dict | None = None):
-        from ember.shards import ShardDataset
-
         if not isinstance(dataset, ShardDataset):
             raise TypeError(f"expected a ShardDataset, got {type(dataset).__name__}")
         _check_pipeline(dataset)
@@ -314,7 +285,7 @@ class RayShardLoader:
         self.epoch = dataset.epoch
         self._resume: dict | None = None
         self._pos: dict = self._start_position()
-        self._on_error = _OnError(dataset.on_error)
+        self._on_error = _ErrorPolicy(dataset.on_error)
         self._last_errors: int | None = None  # set when an epoch ends
 
     def connect(self) -> None:
@@ -344,7 +315,7 @@ class RayShardLoader:
             part.rank, part.world_size = r, int(n)
             part._resume = None
             part._pos = part._start_position()
-            part._on_error = _OnError(self.dataset.on_error)
+            part._on_error = _ErrorPolicy(self.dataset.on_error)
             part._last_errors = None
             out.append(part)
         return out
@@ -402,8 +373,6 @@ class RayShardLoader:
     def _rank_world(self) -> tuple[int, int]:
         if self.dataset.nodesplitter is None:
             return 0, 1  # the URL list is this rank's own
-        from ember.shards import rank_and_world
-
         return rank_and_world(self.rank, self.world_size)
 
     # ---- the plan of an epoch --------------------------------------------------------------
@@ -462,7 +431,7 @@ class RayShardLoader:
         pos["pending"] = list(pos["pending"])
         self._pos = pos
         self._last_errors = None
-        self._on_error = _OnError(ds.on_error)
+        self._on_error = _ErrorPolicy(ds.on_error)
         mine, planned, quota, sizes = self._plan(epoch, rank, world)
         batch = None
         per_sample = ds.stages
