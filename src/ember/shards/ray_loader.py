@@ -309,6 +309,9 @@ class RayShardLoader:
         the same number each)."""
         if int(n) < 1:
             raise ValueError(f"expected split(n) with n >= 1, got {n!r}")
+        if self.dataset.nodesplitter is None:
+            raise ValueError("split(n) deals shards to ranks: it needs the dataset's "
+                             "nodesplitter='auto' (with None the URL list is one rank's own)")
         out = []
         for r in range(int(n)):
             part = copy.copy(self)
