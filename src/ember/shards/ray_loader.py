@@ -249,7 +249,8 @@ class RayShardLoader:
     ShardDataset (default: the dataset's, else torch.distributed, else RANK/WORLD_SIZE).
     ``max_in_flight``: tasks running ahead of the one being handed out (default: the cluster's
     CPUs, at least 2); each holds up to one shard's output in Ray's object store.
-    ``transfer_group``: items per object a task sends when the pipeline is not batched.
+    ``transfer_group``: items (batches, if the pipeline is batched) per object a task sends
+    (default 128, or 1 for batched pipelines: a batch already amortises the transfer).
     ``ray_remote_args``: options of every task (default ``{"num_cpus": 1}``).
 
     ``state_dict()`` resumes exactly, mid-epoch too: it holds the task being handed out, the
@@ -446,7 +447,8 @@ class RayShardLoader:
                      seed=ds.seed, generator=ds.generator, raise_errors=ds.on_error == "raise",
                      group=self.transfer_group)
         # "streaming": each object a task yields reaches this process while the task goes on
-        remote = ray.remote(run_shard).options(num_returns="streaming", **self.ray_remote_args)
+        remote = ray.remote(run_shard).options(**{**self.ray_remote_args,
+                                                  "num_returns": "streaming"})
         spec_ref = ray.put(spec)
         window = self._window(ray)
         first, skip = pos["task"], pos["taken"]
