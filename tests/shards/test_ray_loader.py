@@ -37,6 +37,7 @@ def cluster():
 
     if ray.is_initialized():
         ray.shutdown()
+    env = dict(os.environ)  # Ray's driver sets a few variables (PYTHONBREAKPOINT, ...)
     # the test module's functions reach the workers by value (the workers cannot import it)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     store = 80 << 20
@@ -50,6 +51,8 @@ def cluster():
     ray.shutdown()
     c.shutdown()
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def _png(value: int) -> bytes:
