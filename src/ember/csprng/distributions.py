@@ -28,6 +28,9 @@ _TWO_PI = 2.0 * math.pi
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _REAL_DTYPES = (torch.bool,) + _INT_DTYPES + FLOAT_DTYPES  # what random_ and bernoulli_ fill
+_WORD64 = (torch.int64, getattr(torch, "uint64", torch.int64))  # written as raw 64-bit words
+# torch fills these only with ranged integers (randint, random_(from, to))
+_UINT_DTYPES = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
 _MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 
 
@@ -359,10 +362,11 @@ class NativeSampler:
 
         _drive(draw, n, 1, word, body, into=into)
         if not (a == 0.0 and b == 1.0):
-            if a == b:
-                out.fill_(a)
+            lo = _rounded(a, out.dtype)
+            if lo == _rounded(b, out.dtype):  # a and b are one value of the dtype: torch gives a
+                out.fill_(lo)
             else:
-                out.clamp_(max=_below(b, out.dtype))
+                out.clamp_(min=lo, max=_below(b, out.dtype))
 
     # ------------------------------------------------------------------ normal family
     def normal_(self, out: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> None:
@@ -466,6 +470,8 @@ class NativeSampler:
 
         def tf(u: np.ndarray, cd: type) -> None:  # -log(u) / lambd, u in (0, 1]
             np.log(u, out=u)
+            # u = 1 would give 0, outside the support x > 0: as torch, log(u) is at most -eps/2
+            np.minimum(u, cd(-np.finfo(cd).eps / 2), out=u)
             np.multiply(u, cd(-1.0 / lambd), out=u)
 
         self._unit_open(out, "exponential_", 1.0, tf)
@@ -523,13 +529,14 @@ class NativeSampler:
     # ------------------------------------------------------------------ integers
     def random_(self, out: torch.Tensor) -> None:
         """``random_()`` with no range: torch's default range for the dtype."""
+        _check_dtype("random_", out.dtype, _REAL_DTYPES)
         low, high = default_range(out.dtype)
         self.random_range_(out, low, high)
 
     def random_range_(self, out: torch.Tensor, low: int, high: int) -> None:
         """Uniform integers in ``[low, high)``, exactly unbiased."""
         dtype = out.dtype
-        _check_dtype("random_", dtype, _REAL_DTYPES)
+        _check_dtype("random_", dtype, _REAL_DTYPES + _UINT_DTYPES)
         low, high = int(low), int(high)
         if high <= low:
             raise ValueError(f"random_: expected from < to, got from={low}, to={high}")
@@ -548,14 +555,14 @@ class NativeSampler:
             if done is not None:
                 start, bad = done
                 if bad:
-                    dst = out.view(-1).numpy().view(np.uint64) if dtype == torch.int64 else None
+                    dst = out.view(-1).numpy().view(np.uint64) if dtype in _WORD64 else None
                     draw = Draw(self.stream, start, blocks_for(n * (8 if wide else 4)))
                     self._refill_integers(draw, np.array(bad, np.int64), r, offset, out, dst)
                 return
         draw = self._draw(n * (8 if wide else 4))
         if n == 0:
             return
-        dst = out.view(-1).numpy().view(np.uint64) if dtype == torch.int64 else None
+        dst = out.view(-1).numpy().view(np.uint64) if dtype in _WORD64 else None
         sink = None if dst is not None else _Sink(out)
         rejected: list[np.ndarray] = []
         word = np.uint64 if wide else np.uint32
@@ -819,6 +826,12 @@ def _mul64(w: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
     high = hh + (lh >> s32) + (hl >> s32) + (mid >> s32)
     low = (mid << s32) | (ll & m32)
     return high, low
+
+
+@functools.lru_cache(maxsize=256)
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    """``x`` rounded to ``dtype``."""
+    return float(torch.tensor(x, dtype=dtype))
 
 
 @functools.lru_cache(maxsize=256)
