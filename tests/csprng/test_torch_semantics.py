@@ -148,17 +148,17 @@ def test_exponential_is_never_zero_even_for_the_largest_word():
 def test_poisson_at_large_rates_is_fast_and_has_the_right_moments():
     import time
 
-    for rate in (1e8, 1e12):
+    for rate in (1e9, 1e12, 1e15):  # the CDF inversion took minutes for 1e5 values at 1e9
         t0 = time.perf_counter()
         x = torch.poisson(torch.full((20000,), rate, dtype=torch.float64), generator=eg(9))
-        assert time.perf_counter() - t0 < 5.0
+        assert time.perf_counter() - t0 < 2.0
         z = (x - rate) / math.sqrt(rate)
         assert abs(float(z.mean())) < 0.05
         assert abs(float(z.var()) - 1.0) < 0.06
         assert bool((x == x.floor()).all())
 
 
-@pytest.mark.parametrize("rate", [9.99, 10.0, 37.5, 1e4])
+@pytest.mark.parametrize("rate", [9.99, 10.0, 37.5, 1e4, 1e7])
 def test_poisson_matches_the_distribution_around_the_method_switch(rate):
     from scipy import stats
 
