@@ -211,6 +211,19 @@ def test_torch_func_transforms_around_a_draw(transform):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("draw", [
+    lambda: torch.multinomial(torch.ones(8), 8, generator=eg()).float(),
+    lambda: torch.poisson(torch.full((8,), 3.0), generator=eg()),
+    lambda: torch.bernoulli(torch.full((8,), 0.5), generator=eg()),
+    lambda: torch.normal(torch.zeros(8), torch.ones(8), generator=eg()),
+    lambda: torch.randperm(8, generator=eg()).float(),
+], ids=["multinomial", "poisson", "bernoulli", "normal", "randperm"])
+def test_torch_func_grad_sees_draws_from_tensors_as_constants(draw):
+    want = draw()
+    got = torch.func.grad(lambda x: (x * draw()).sum())(torch.ones(8))
+    assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- 10, 11. integer dtypes
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8, torch.float32])
 def test_randint_and_randperm_fill_out_of_any_dtype_torch_accepts(dtype):

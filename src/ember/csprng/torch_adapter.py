@@ -380,7 +380,9 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
-    res = g.sampler().multinomial(input, num_samples, bool(replacement)).to(input.device)
+    with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
+        res = g.sampler().multinomial(_unwrapped(input), num_samples, bool(replacement))
+    res = res.to(input.device)
     if out is not None:
         out.resize_(res.shape).copy_(res)
         return out
@@ -388,7 +390,17 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
-    return generator.sampler().poisson(input).to(input.device)
+    with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
+        res = generator.sampler().poisson(_unwrapped(input))
+    return res.to(input.device)
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without torch.func's wrappers (inside grad/jvp/...): the values, which the draw reads
+    and does not differentiate."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
 
 
 def _unsupported(name: str) -> Callable[..., Any]:
