@@ -159,12 +159,20 @@ def test_ember_train_cli_dp_flags(tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["train", "--data", train, "--num-classes", "10",
                "--epochs", "2", "--batch-size", "32", "--dp-epsilon", "8", "--dp-delta", "1e-5",
-               "--max-grad-norm", "1.0", "--no-progress", "--out", str(out), "--swag-rank", "0"])
-    assert rc == 0, capsys.readouterr().err
+               "--max-grad-norm", "1.0", "--no-progress", "--out", str(out), "--swag-rank", "0",
+               "--dp-accountant", "prv"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
     summary = json.loads((out / "summary.json").read_text())
     eps = [r["epsilon"] for r in summary["history"]]
-    assert len(eps) == 2 and 0 < eps[0] < eps[1] <= 8.0 + 1e-6
+    assert len(eps) == 2 and 0 < eps[0] < eps[1] <= 8.0
     assert summary["epsilon"] == eps[-1] and summary["noise_multiplier"] > 0
+    report = summary["privacy"]
+    assert report["accountant"] == "prv" and report["epsilon"] == eps[-1]
+    assert report["private"] is True and report["delta"] == 1e-5
+    assert report["steps"] == 2 * round(1 / report["sample_rate"])
+    for e, value in enumerate(eps):
+        assert f"epoch {e + 1}/2: epsilon {value:.4f}" in printed.out
     rc = main(["train", "--data", train, "--num-classes", "10",
                "--dp-epsilon", "8", "--no-progress", "--out", str(out)])
     assert rc == 2 and "--dp-delta" in capsys.readouterr().err
