@@ -392,3 +392,12 @@ def test_kill_and_resume_is_bit_identical_with_physical_batches_and_ema(tmp_path
     assert weights_digest(resumed.ema.module) == weights_digest(full.ema.module)
     assert weights_digest(resumed.swa.module) == weights_digest(full.swa.module)
     assert resumed.history == full.history and resumed.epsilon == full.epsilon
+
+
+def test_a_refused_loader_leaves_the_batchnorm_model_untouched():
+    model, opt, loader = _setup(bn=True)
+    partial = torch.utils.data.DataLoader(loader.dataset, batch_size=BATCH,
+                                          sampler=torch.utils.data.SubsetRandomSampler(range(10)))
+    with pytest.raises(ConfigError, match="sampler"):
+        _fit(model, opt, partial, _privacy(replace_batchnorm=True), epochs=1)
+    assert isinstance(model[1], nn.BatchNorm1d)

@@ -512,10 +512,11 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
 
     model.to(device)
     if privacy is not None:
-        from ember.train.privacy import check_combination, check_model
+        from ember.train.privacy import check_combination, check_loader, check_model
 
         privacy.check()
         check_combination(config, world)
+        check_loader(train_loader, world)  # before check_model may replace BatchNorm layers
         check_model(model, replace_batchnorm=privacy.replace_batchnorm)
         if world.distributed:  # as DDP does: every rank (and its EMA/SWA copies) starts at rank 0's
             for t in [*model.parameters(), *model.buffers()]:

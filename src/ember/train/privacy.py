@@ -28,7 +28,7 @@ from torch import nn
 from ember.train.errors import ConfigError
 
 __all__ = ["ACCOUNTANTS", "PrivacyConfig", "PrivateTraining", "add_secure_noise",
-           "check_combination", "check_model", "make_private", "strip_opacus"]
+           "check_combination", "check_loader", "check_model", "make_private", "strip_opacus"]
 
 ACCOUNTANTS = ("rdp", "prv")
 
@@ -162,11 +162,16 @@ def add_secure_noise(tensors: Sequence[torch.Tensor], std: float,
     return [t + _generate_noise(std, t, generator=generator, secure_mode=True) for t in tensors]
 
 
-def _check_sampler(loader: torch.utils.data.DataLoader, world: Any) -> None:
-    """Refuse loaders whose epoch does not read every example once: Poisson sampling draws from
-    the whole dataset, so it would train on examples the sampler leaves out."""
+def check_loader(loader: Any, world: Any) -> None:
+    """Refuse a training loader Poisson sampling cannot stand in for: not a DataLoader over a
+    map-style dataset with a ``batch_size``, or one whose epoch does not read every example once
+    (Poisson sampling draws from the whole dataset, so it would train on the examples left out)."""
     from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
+    if not isinstance(loader, torch.utils.data.DataLoader) or \
+            isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise ConfigError("privacy needs a torch.utils.data.DataLoader over a map-style dataset: "
+                          f"Poisson sampling picks examples by index (got {type(loader).__name__})")
     sampler, n = loader.sampler, len(loader.dataset)
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         raise ConfigError("privacy needs a DataLoader with a batch_size (not batch_sampler= or "
@@ -422,11 +427,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
 
     world = world or World()
     config.check()
-    if not isinstance(loader, torch.utils.data.DataLoader) or \
-            isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        raise ConfigError("privacy needs a torch.utils.data.DataLoader over a map-style dataset: "
-                          f"Poisson sampling picks examples by index (got {type(loader).__name__})")
-    _check_sampler(loader, world)
+    check_loader(loader, world)
     _opacus()
     from opacus.accountants.utils import create_accountant, get_noise_multiplier
     from opacus.grad_sample.utils import wrap_model
