@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ember.shards import ShardDataset, ShardLoader, expand_urls
+from ember.shards import RayShardLoader, ShardDataset, ShardLoader, expand_urls
 from ember.shards.urls import local_path
 from ember.train.errors import ConfigError
 
@@ -59,15 +59,17 @@ def _channel_axis(item: tuple) -> tuple:
 
 def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int = 0,
                        shuffle: int = 1000, grayscale: bool = False, num_workers: int = 0,
-                       split_ranks: bool = True, generator: torch.Generator | None = None
-                       ) -> ShardLoader:
+                       split_ranks: bool = True, generator: torch.Generator | None = None,
+                       ray_address: str | None = None) -> ShardLoader | RayShardLoader:
     """A resumable loader of ``(images, labels)`` batches from image + cls shards.
 
     ``shuffle`` is the sample shuffle buffer (0: read in order, shard order unshuffled too);
     shuffling is reproducible from ``seed`` and changes every epoch; ``generator`` (e.g. an
     ember.csprng generator) draws the shuffles. With ``split_ranks`` (training data) each
     torch.distributed rank reads its own share, equalised so every rank gets the same number of
-    batches; without it (evaluation data) every process reads everything.
+    batches; without it (evaluation data) every process reads everything. With
+    ``ray_address``, Ray tasks on that cluster read and decode the shards (a RayShardLoader;
+    ``num_workers`` does not apply).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -76,6 +78,8 @@ def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int 
     equalize = "drop" if split_ranks and _world_size() > 1 else None
     ds = _dataset(expanded, seed=seed, shuffle=shuffle, grayscale=grayscale, rank=rank,
                   world_size=world, equalize=equalize, generator=generator)
+    if ray_address is not None:
+        return RayShardLoader(ds.batched(batch_size), address=ray_address)
     return ShardLoader(ds.batched(batch_size), num_workers=num_workers)
 
 
