@@ -77,7 +77,8 @@ def test_results_json_holds_every_table_entry(demo_run):
                     assert all(_is_prob(v) for v in s["per_seed"])
     for row in payload["speed"]["csprng"]:
         assert row["case"] in {"rand float32", "randn float32", "randint int64"}
-        assert row["ratio"] == pytest.approx(row["ember_gbps"] / row["torch_gbps"])
+        # the median of interleaved per-repetition ratios, inside their range
+        assert 0 < row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
     assert {r["case"] for r in payload["speed"]["csprng"]} == {"rand float32", "randn float32",
                                                                "randint int64"}
     (shards,) = payload["speed"]["shards"]
