@@ -104,8 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     loop.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
                       help="clip the total gradient norm to C (after fp16 unscaling)")
     loop.add_argument("--swa-start", type=int, default=None, metavar="EPOCH",
-                      help="first epoch (0-based) of the SWA phase: SWALR to --swa-lr, SWA and SWAG "
-                      "collected after every epoch (default: no SWA)")
+                      help="first epoch (0-based) of the SWA phase: SWALR to --swa-lr, SWA (and SWAG "
+                      "with --swag-rank) collected after every epoch (default: no SWA)")
     loop.add_argument("--swa-lr", type=float, default=None, help="SWA learning rate (default: lr/2)")
     loop.add_argument("--swa-anneal-epochs", type=int, default=1, metavar="N",
                       help="epochs of cosine annealing to --swa-lr (default: %(default)s)")
