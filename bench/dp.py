@@ -7,6 +7,11 @@
    Goal: ember faster.
 
 Timings are noisy on a shared machine: compare only the ratios of one run. ``--quick`` for a short run.
+
+``--device cuda`` runs case 1 on the GPU with a 4-conv GroupNorm CNN (about 1.1 M parameters, 14
+tensors) at batch 256 instead (goal: secure <= 1.05x non-secure per step), timing with CUDA
+synchronisation; case 2 is skipped there. Both devices also time secure mode with the noise of all
+parameters drawn by one ``normal_foreach_`` (``ember.train.privacy.fuse_secure_noise``).
 """
 
 from __future__ import annotations
@@ -33,10 +38,20 @@ def _cnn() -> nn.Module:
                          nn.Flatten(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def _private(secure: bool, batch: int):
+def _cnn_gn() -> nn.Module:
+    """4 convolutions with GroupNorm, about 1.1 M parameters (the issue's CUDA reference)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for cin, cout in ((3, 64), (64, 128), (128, 256), (256, 320)):
+        layers += [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.GroupNorm(8, cout), nn.ReLU(),
+                   nn.MaxPool2d(2)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(320, 10))
+
+
+def _private(secure: bool, batch: int, device: str = "cpu", fused: bool = False):
     from opacus import PrivacyEngine
 
-    model = _cnn()
+    model = _cnn() if device == "cpu" else _cnn_gn().to(device)
     data = torch.utils.data.TensorDataset(torch.randn(batch * 4, 3, 32, 32),
                                           torch.randint(0, 10, (batch * 4,)))
     loader = torch.utils.data.DataLoader(data, batch_size=batch)
@@ -46,6 +61,10 @@ def _private(secure: bool, batch: int):
         model, opt, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(
             model.parameters(), lr=0.05), data_loader=loader, noise_multiplier=1.0,
             max_grad_norm=1.0)
+    if fused:
+        from ember.train.privacy import fuse_secure_noise
+
+        fuse_secure_noise(opt)
     return model, opt
 
 
@@ -57,21 +76,32 @@ def _step(model, opt, x, y) -> None:
     opt.step()
 
 
-def bench_step(rounds: int, batch: int) -> dict:
-    sides = {"secure (ember)": _private(True, batch), "non-secure (torch)": _private(False, batch)}
-    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def bench_step(rounds: int, batch: int, device: str = "cpu") -> dict:
+    sides = {"secure (ember)": _private(True, batch, device),
+             "secure (ember, fused noise)": _private(True, batch, device, fused=True),
+             "non-secure (torch)": _private(False, batch, device)}
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
     times: dict[str, list[float]] = {k: [] for k in sides}
     for model, opt in sides.values():
         _step(model, opt, x, y)  # warm-up
     for _ in range(rounds):
         for name, (model, opt) in sides.items():
             _step(model, opt, x, y)  # untimed call of its own first (see docs/csprng.md, Speed)
+            _sync(device)
             t = time.perf_counter()
             _step(model, opt, x, y)
+            _sync(device)
             times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"median_s": med, "min_s": {k: min(v) for k, v in times.items()},
-            "ratio_median": med["secure (ember)"] / med["non-secure (torch)"]}
+    return {"device": device, "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
+            "ratio_median": med["secure (ember)"] / med["non-secure (torch)"],
+            "ratio_fused_median": med["secure (ember, fused noise)"] / med["non-secure (torch)"]}
 
 
 def bench_noise(rounds: int, n: int) -> dict:
@@ -95,9 +125,16 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="few rounds, 1 M noise values")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "dp.json")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the DP-SGD step of a 1.1 M-parameter GroupNorm CNN on the GPU")
     args = p.parse_args(argv)
     rounds = 3 if args.quick else 15
     n = 1_000_000 if args.quick else 10_000_000
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench/dp.py --device cuda: no CUDA device; nothing measured.")
+            return {}
+        return _main_cuda(args, rounds)
     step = bench_step(rounds, 256)
     noise = bench_noise(max(rounds // 3, 2), n)
     print(f"{'case':46s} {'ember':>10s} {'baseline':>10s} {'ratio':>7s}")
@@ -110,6 +147,23 @@ def main(argv: list[str] | None = None) -> dict:
     print("ratio = ember / baseline (step goal <= 1.03; noise goal < 1). Shared CPU: noisy.")
     result = {"quick": args.quick, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "step": step, "noise": {"values": n, **noise}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _main_cuda(args, rounds: int) -> dict:
+    from ember.csprng.cuda_backend import fast_path
+
+    step = bench_step(rounds, 256, "cuda")
+    med = step["median_s"]
+    print(f"device {torch.cuda.get_device_name()}, ember CUDA path {fast_path()}")
+    print(f"{'DP-SGD step, GroupNorm CNN 1.1M, batch 256':46s} {'ms':>10s} {'/ non-secure':>13s}")
+    for name, v in med.items():
+        print(f"{name:46s} {v * 1e3:10.2f} {v / med['non-secure (torch)']:13.3f}")
+    print("goal: secure / non-secure <= 1.05")
+    result = {"quick": args.quick, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+              "path": fast_path(), "step": step}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     return result

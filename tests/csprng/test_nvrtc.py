@@ -193,8 +193,8 @@ EXACT = [
     ("random_range_", torch.float32, (-1000, 1000)), ("random_range_", torch.float64, (0, 2**40 + 3)),
     ("random_range_", torch.float16, (-5, 5)), ("random_range_", torch.bfloat16, (0, 100)),
     ("random_range_", torch.bool, (0, 2)), ("random_range_", torch.int64, (0, 1000)),
-    *[("random_", d, ()) for d in [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
-                                    torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]],
+    *[("random_", d, ()) for d in [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                    torch.float16, torch.bfloat16, torch.float32, torch.float64]],
     *[("bernoulli_", d, (0.3,)) for d in [torch.bool, torch.uint8, torch.int64, torch.float16,
                                            torch.bfloat16, torch.float32, torch.float64]],
     ("bernoulli_", torch.float32, (0.0,)), ("bernoulli_", torch.float32, (1.0,)),
@@ -269,7 +269,8 @@ def test_cuda_fast_path_float64_normal_close_and_log_normal(monkeypatch, cipher)
 def test_cuda_fast_path_equals_triton_path_for_uniform_and_integers(monkeypatch, cipher):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton missing")
-    for method, dtype, params in [("uniform_", torch.float32, ()), ("random_range_", torch.int64, (0, 3 << 30))]:
+    cases = [("uniform_", torch.float32, ()), ("random_range_", torch.int64, (0, 3 << 30))]
+    for method, dtype, params in cases:
         _, fast = _pair(method, dtype, params, 50_001, cipher, 11, "nvrtc", monkeypatch)
         _, slow = _pair(method, dtype, params, 50_001, cipher, 11, "triton", monkeypatch)
         assert torch.equal(fast, slow)
@@ -312,9 +313,8 @@ def test_cuda_graph_capture_is_refused():
     g = csprng.create_generator(1)
     x = torch.empty(16, device="cuda")
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(cuda_backend.CaptureError):
-        with torch.cuda.graph(graph):
-            x.uniform_(generator=g)
+    with pytest.raises(cuda_backend.CaptureError), torch.cuda.graph(graph):
+        x.uniform_(generator=g)
     assert g.counter == 0
 
 
@@ -322,5 +322,6 @@ def test_cuda_graph_capture_is_refused():
 @pytest.mark.cuda
 def test_cuda_rejection_heavy_range_on_many_values(monkeypatch):
     """A quarter of the words rejected, over 4 M values: every refill lands where the CPU puts it."""
-    cpu, gpu = _pair("random_range_", torch.int64, (0, 3 << 30), 4_000_037, "aes128", 1, monkeypatch=monkeypatch)
+    cpu, gpu = _pair("random_range_", torch.int64, (0, 3 << 30), 4_000_037, "aes128", 1,
+                     monkeypatch=monkeypatch)
     assert torch.equal(cpu, gpu)
