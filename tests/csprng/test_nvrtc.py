@@ -224,9 +224,9 @@ def _ulp(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
         it, _ = bits[a.dtype]
         ia = a.numpy().view(it).astype(np.int64)
         ib = b.numpy().view(it).astype(np.int64)
-    top = np.int64(1) << (8 * a.element_size() - 1)
-    ia = np.where(ia < 0, -(ia & (top - 1)), ia)
-    ib = np.where(ib < 0, -(ib & (top - 1)), ib)
+    low = np.int64((1 << (8 * a.element_size() - 1)) - 1)  # all bits but the sign
+    ia = np.where(ia < 0, -(ia & low), ia)
+    ib = np.where(ib < 0, -(ib & low), ib)
     return np.abs(ia - ib)
 
 

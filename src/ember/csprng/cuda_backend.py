@@ -724,6 +724,9 @@ def cuda_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) ->
     return triton_fill_(sampler, tensor, method, params, interpret=False)
 
 
+_DEFAULTS = {"uniform_": ((), (0.0, 1.0)), "normal_": ((), (0.0, 1.0)), "exponential_": ((), (1.0,))}
+
+
 class _LoadError(RuntimeError):
     pass
 
@@ -738,8 +741,9 @@ def _fast_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -
             raise _LoadError(str(exc)) from exc
     if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor):
         params = (_bernoulli_p_async(tensor, params[0]),)
-    else:
-        # the CPU sampler validates the arguments (same errors) and reserves nothing for 0 elements
+    elif params not in _DEFAULTS.get(method, ()):
+        # the CPU sampler validates the arguments (same errors) and reserves nothing for 0 elements;
+        # the default arguments need no check (the adapter has checked the dtype)
         getattr(sampler, method)(torch.empty(0, dtype=tensor.dtype), *params)
     if tensor.is_contiguous():
         cuda_fast.fast_fill_(sampler, tensor, method, params)

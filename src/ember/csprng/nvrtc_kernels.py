@@ -65,6 +65,7 @@ class Params(ctypes.Structure):
     ]
 
 
+@lru_cache(maxsize=1)
 def available() -> bool:
     """Whether NVRTC and the driver bindings can be imported (says nothing about a GPU)."""
     return _spec("cuda.bindings") and _nvrtc_loadable()

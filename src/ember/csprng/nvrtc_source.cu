@@ -163,6 +163,10 @@ __device__ __forceinline__ void unit_at(const Params& P, const Tab* tab, i64 d, 
 }
 
 // ------------------------------------------------------------------------------------ stores
+#ifdef EMBER_HOST_EMULATION  // the tests compile this file as C++ for the CPU (emulation.cpp)
+__device__ __forceinline__ unsigned short f2h(float x) { return host_f2h(x); }
+__device__ __forceinline__ float h2f(unsigned short h) { return host_h2f(h); }
+#else
 __device__ __forceinline__ unsigned short f2h(float x) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -173,6 +177,7 @@ __device__ __forceinline__ float h2f(unsigned short h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
     return x;
 }
+#endif
 // float32 rounded to the nearest bfloat16 (ties to even), as float32 (no NaN reaches here)
 __device__ __forceinline__ float bf16_round(float x) {
     u32 b = __float_as_uint(x);
