@@ -22,23 +22,26 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 # ---------------------------------------------------------------------------- without a GPU
 @needs_nvrtc
-def test_every_kernel_compiles_for_sm90_and_the_cubin_is_cached(tmp_path, monkeypatch):
+def test_a_kernel_compiles_alone_for_sm90_and_its_cubin_is_cached(tmp_path, monkeypatch):
+    """Kernels are compiled one by one (the first draw waits for one); ``--compile-only`` in
+    bench/csprng_cuda.py compiles all twelve (tests/csprng/test_bench_cuda.py)."""
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    cubin = nvrtc_kernels.compile_cubin("sm_90")
+    cubin = nvrtc_kernels.compile_cubin("sm_90", "ember_chacha_uniform")
     assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF file
-    for name in nvrtc_kernels.KERNELS:
-        assert name.encode() in cubin
+    assert b"ember_chacha_uniform" in cubin and b"ember_aes_uniform" not in cubin
     cached = list((tmp_path / "cubin").iterdir())
     assert len(cached) == 1 and cached[0].read_bytes() == cubin
     # a second call reads the file (a changed file would be returned as is)
     cached[0].write_bytes(b"marker")
-    assert nvrtc_kernels.compile_cubin("sm_90") == b"marker"
+    assert nvrtc_kernels.compile_cubin("sm_90", "ember_chacha_uniform") == b"marker"
+    with pytest.raises(ValueError, match="no kernel"):
+        nvrtc_kernels.compile_cubin("sm_90", "ember_nothing")
 
 
 @needs_nvrtc
 def test_cache_key_depends_on_arch_and_source(monkeypatch):
     a, b = nvrtc_kernels.cache_key("sm_90"), nvrtc_kernels.cache_key("sm_80")
-    assert a != b
+    assert a != b and nvrtc_kernels.cache_key("sm_90", "ember_aes_normal") != a
     monkeypatch.setattr(nvrtc_kernels, "source", lambda: "// other")
     assert nvrtc_kernels.cache_key("sm_90") != a
 

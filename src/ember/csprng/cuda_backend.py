@@ -735,8 +735,9 @@ def _fast_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -
     from . import cuda_fast
 
     if tensor.is_cuda:
-        try:
-            cuda_fast.launcher().functions(tensor.device.index or 0)
+        try:  # compile and load before anything is reserved: a failure leaves the stream as it was
+            cuda_fast.launcher().functions(tensor.device.index or 0,
+                                           cuda_fast.kernel_names(sampler.stream.cipher_name, method))
         except Exception as exc:  # no cuda-bindings, no NVRTC for this GPU, no driver
             raise _LoadError(str(exc)) from exc
     if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor):

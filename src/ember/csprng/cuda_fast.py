@@ -70,6 +70,17 @@ def _keyed(cipher: str, key: bytes) -> nk.Params:
     return p
 
 
+_OPS = {"uniform_": ("uniform",), "normal_": ("normal",), "log_normal_": ("normal",),
+        "exponential_": ("exponential",), "random_": ("integer", "refill"),
+        "random_range_": ("integer", "refill"), "bernoulli_": ("bernoulli",)}
+
+
+@lru_cache(maxsize=64)
+def kernel_names(cipher: str, method: str) -> tuple[str, ...]:
+    """The kernels a fill with ``method`` may launch."""
+    return tuple(f"ember_{_CIPHER[cipher]}_{op}" for op in _OPS[method])
+
+
 def supports(sampler: Any, tensor: torch.Tensor, method: str) -> bool:
     """Whether the fast path handles this fill."""
     return (

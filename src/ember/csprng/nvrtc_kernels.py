@@ -136,24 +136,29 @@ def cache_dir() -> Path:
     return base / "cubin"
 
 
-def cache_key(arch: str) -> str:
-    """SHA-256 of everything the cubin depends on: source, architecture, NVRTC version, options."""
+def cache_key(arch: str, kernel: str | None = None) -> str:
+    """SHA-256 of everything the cubin depends on: source, kernel, architecture, NVRTC version,
+    options."""
     h = hashlib.sha256()
-    for part in (source(), arch, "{}.{}".format(*nvrtc_version()), *OPTIONS):
+    for part in (source(), kernel or "all", arch, "{}.{}".format(*nvrtc_version()), *OPTIONS):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
 
 
-def compile_cubin(arch: str, *, use_cache: bool = True) -> bytes:
-    """The cubin of all kernels for ``arch`` (e.g. ``"sm_90"``), from the disk cache if there."""
-    path = cache_dir() / f"{cache_key(arch)}-{arch}.cubin"
+def compile_cubin(arch: str, kernel: str | None = None, *, use_cache: bool = True) -> bytes:
+    """The cubin of ``kernel`` (one of :data:`KERNELS`; None: all of them) for ``arch`` (e.g.
+    ``"sm_90"``), from the disk cache if it is there. Kernels are compiled one by one on first use:
+    the first draw of a process waits for one kernel, not for all."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"no kernel named {kernel!r}")
+    path = cache_dir() / f"{cache_key(arch, kernel)}-{arch}.cubin"
     if use_cache:
         try:
             return path.read_bytes()
         except OSError:
             pass
-    cubin = _nvrtc_compile(arch)
+    cubin = _nvrtc_compile(arch, kernel)
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,13 +171,14 @@ def compile_cubin(arch: str, *, use_cache: bool = True) -> bytes:
     return cubin
 
 
-def _nvrtc_compile(arch: str) -> bytes:
+def _nvrtc_compile(arch: str, kernel: str | None) -> bytes:
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(source().encode(), b"ember_csprng.cu", 0, [], [])
     _check_nvrtc(err, "nvrtcCreateProgram")
     try:
-        opts = [f"--gpu-architecture={arch}".encode(), *(o.encode() for o in OPTIONS)]
+        which = f"-DEMBER_K_{kernel}" if kernel else "-DEMBER_ALL"
+        opts = [f"--gpu-architecture={arch}".encode(), which.encode(), *(o.encode() for o in OPTIONS)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _check_nvrtc(err, f"compilation for {arch}", prog)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
@@ -187,55 +193,67 @@ def _nvrtc_compile(arch: str) -> bytes:
 
 # ---------------------------------------------------------------------------- launching
 class DriverLauncher:
-    """Loads the cubin into each device's primary context and launches kernels on torch's stream."""
+    """Loads each kernel (compiled on first use) into the device's primary context, the one torch
+    uses, and launches kernels on torch's current stream."""
 
     def __init__(self) -> None:
         from cuda.bindings import driver
 
         self._driver = driver
-        self._modules: dict[int, dict[str, Any]] = {}
+        self._functions: dict[tuple[int, str], Any] = {}
+        self._modules: list[Any] = []
         self._sms: dict[int, int] = {}
+        self._arch: dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def functions(self, device: int) -> dict[str, Any]:
-        fns = self._modules.get(device)
-        if fns is not None:
-            return fns
-        with self._lock:
-            if device not in self._modules:
-                self._modules[device] = self._load(device)
-            return self._modules[device]
+    def functions(self, device: int, names: tuple[str, ...]) -> list[Any]:
+        """The kernels ``names`` on ``device``, compiled and loaded if they are not yet."""
+        out = []
+        for name in names:
+            fn = self._functions.get((device, name))
+            if fn is None:
+                with self._lock:
+                    fn = self._functions.get((device, name))
+                    if fn is None:
+                        fn = self._functions[(device, name)] = self._load(device, name)
+            out.append(fn)
+        return out
 
-    def _load(self, device: int) -> dict[str, Any]:
+    def _context(self, device: int) -> str:
         import torch
 
+        if device not in self._arch:
+            drv = self._driver
+            torch.cuda.init()
+            _check(drv.cuInit(0)[0], "cuInit")
+            err, dev = drv.cuDeviceGet(device)
+            _check(err, "cuDeviceGet")
+            err, ctx = drv.cuDevicePrimaryCtxRetain(dev)  # the context torch uses
+            _check(err, "cuDevicePrimaryCtxRetain")
+            _check(drv.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+            major, minor = torch.cuda.get_device_capability(device)
+            self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+            self._arch[device] = f"sm_{major}{minor}"
+        return self._arch[device]
+
+    def _load(self, device: int, name: str) -> Any:
         drv = self._driver
-        major, minor = torch.cuda.get_device_capability(device)
-        cubin = compile_cubin(f"sm_{major}{minor}")
-        torch.cuda.init()
-        _check(drv.cuInit(0)[0], "cuInit")
-        err, dev = drv.cuDeviceGet(device)
-        _check(err, "cuDeviceGet")
-        err, ctx = drv.cuDevicePrimaryCtxRetain(dev)  # the context torch uses
-        _check(err, "cuDevicePrimaryCtxRetain")
-        _check(drv.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
-        err, mod = drv.cuModuleLoadData(cubin)
-        _check(err, "cuModuleLoadData")
-        fns = {}
-        for name in KERNELS:
-            err, fn = drv.cuModuleGetFunction(mod, name.encode())
-            _check(err, f"cuModuleGetFunction({name})")
-            fns[name] = fn
-        self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        fns["__module__"] = mod
-        return fns
+        arch = self._context(device)
+        err, mod = drv.cuModuleLoadData(compile_cubin(arch, name))
+        _check(err, f"cuModuleLoadData({name})")
+        self._modules.append(mod)
+        err, fn = drv.cuModuleGetFunction(mod, name.encode())
+        _check(err, f"cuModuleGetFunction({name})")
+        return fn
 
     def sm_count(self, device: int) -> int:
-        self.functions(device)
+        if device not in self._sms:
+            with self._lock:
+                self._context(device)
         return self._sms[device]
 
     def launch(self, device: int, name: str, grid: int, params: Params, stream: int) -> None:
-        fn = self.functions(device)[name]
+        fn = self._functions.get((device, name)) or self.functions(device, (name,))[0]
         argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         (err,) = self._driver.cuLaunchKernel(
             fn, grid, 1, 1, NT, 1, 1, 0, self._driver.CUstream(stream), ctypes.addressof(argv), 0

@@ -265,12 +265,12 @@ __device__ __forceinline__ double uniform_d(const Params& P, u64 k) {
     return x;
 }
 
-__device__ __forceinline__ float exponential_f(const Params& P, u32 k) {
+__device__ __noinline__ float exponential_f(const Params& P, u32 k) {
     float u = __fmul_rn(__fadd_rn(__uint2float_rn(k & ((1u << P.mbits) - 1u)), 1.0f), (float)P.fp[0]);
     return __fmul_rn(log_f(u), (float)P.fp[1]);
 }
 
-__device__ __forceinline__ double exponential_d(const Params& P, u64 k) {
+__device__ __noinline__ double exponential_d(const Params& P, u64 k) {
     double u = __dmul_rn(__dadd_rn(__ull2double_rn(k & ((1ull << 53) - 1ull)), 1.0), P.fp[0]);
     return __dmul_rn(log(u), P.fp[1]);
 }
@@ -405,7 +405,7 @@ __device__ __forceinline__ void fill_chacha(const Params& P) {
 }
 
 // ---------------------------------------------------------------------------------- Box-Muller
-__device__ __forceinline__ void pair_f(const Params& P, u32 kr, u32 ka, float& z0, float& z1) {
+__device__ __noinline__ void pair_f(const Params& P, u32 kr, u32 ka, float& z0, float& z1) {
     const u32 mask = (1u << P.mbits) - 1u;
     float u = __fmul_rn(__uint2float_rn((kr & mask) + 1u), (float)P.fp[0]);
     float r = __fsqrt_rn(__fmul_rn(log_f(u), -2.0f));
@@ -422,7 +422,7 @@ __device__ __forceinline__ void pair_f(const Params& P, u32 kr, u32 ka, float& z
     }
 }
 
-__device__ __forceinline__ void pair_d(const Params& P, u64 kr, u64 ka, double& z0, double& z1) {
+__device__ __noinline__ void pair_d(const Params& P, u64 kr, u64 ka, double& z0, double& z1) {
     const u64 mask = (1ull << 53) - 1ull;
     double u = __dmul_rn(__ull2double_rn((kr & mask) + 1ull), P.fp[0]);
     double r = __dsqrt_rn(__dmul_rn(log(u), -2.0));
@@ -594,33 +594,57 @@ __device__ __forceinline__ void refill_body(const Params& P, const Tab* tab) {
 }
 
 // ------------------------------------------------------------------------------------- kernels
+// Each kernel is compiled on its own (-DEMBER_K_<name>), on first use; EMBER_ALL compiles all.
 #define FILL_AES(NAME, OP) \
     extern "C" __global__ void __launch_bounds__(NT) NAME(const Params P) { fill_aes<OP>(P); }
 #define FILL_CHACHA(NAME, OP) \
     extern "C" __global__ void __launch_bounds__(NT) NAME(const Params P) { fill_chacha<OP>(P); }
 
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_uniform)
 FILL_AES(ember_aes_uniform, OP_UNIFORM)
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_exponential)
 FILL_AES(ember_aes_exponential, OP_EXPONENTIAL)
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_integer)
 FILL_AES(ember_aes_integer, OP_INTEGER)
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_bernoulli)
 FILL_AES(ember_aes_bernoulli, OP_BERNOULLI)
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_uniform)
 FILL_CHACHA(ember_chacha_uniform, OP_UNIFORM)
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_exponential)
 FILL_CHACHA(ember_chacha_exponential, OP_EXPONENTIAL)
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_integer)
 FILL_CHACHA(ember_chacha_integer, OP_INTEGER)
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_bernoulli)
 FILL_CHACHA(ember_chacha_bernoulli, OP_BERNOULLI)
-
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_normal)
 extern "C" __global__ void __launch_bounds__(NT) ember_aes_normal(const Params P) {
     __shared__ Tab tab;
     load_table(tab);
     normal_body<C_AES>(P, &tab);
 }
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_normal)
 extern "C" __global__ void __launch_bounds__(NT) ember_chacha_normal(const Params P) {
     normal_body<C_CHACHA>(P, nullptr);
 }
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_refill)
 extern "C" __global__ void __launch_bounds__(NT) ember_aes_refill(const Params P) {
     __shared__ Tab tab;
     load_table(tab);
     refill_body<C_AES>(P, &tab);
 }
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_refill)
 extern "C" __global__ void __launch_bounds__(NT) ember_chacha_refill(const Params P) {
     refill_body<C_CHACHA>(P, nullptr);
 }
+#endif
