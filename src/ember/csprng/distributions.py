@@ -424,6 +424,9 @@ class NativeSampler:
         if draw is None and 0 < n <= small.SMALL_ITEMS:
             small.normal(self.stream, out, n, mean, std, log)
             return
+        if draw is None and 0 < n <= 2 * small.MEDIUM_PAIRS:
+            small.normal_medium(self.stream, out, n, mean, std, log)
+            return
         word, cd, bits = _compute(out.dtype)
         pairs = (n + 1) // 2
         if draw is None:
