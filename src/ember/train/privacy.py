@@ -182,6 +182,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
     module, dp_optimizer, dp_loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
         max_grad_norm=config.max_grad_norm, poisson_sampling=True)
+    fuse_secure_noise(dp_optimizer)  # the same noise values, one pass over all parameters
     return PrivateTraining(engine, module, dp_optimizer, dp_loader, engine.secure_rng, config,
                            sigma, sample_rate)
 
