@@ -127,3 +127,24 @@ def test_emulated_transcendental_within_ulps(emulator, cipher, dtype, n, method,
     cpu, emu = _pair(cipher, 2**32 - 2 if cipher == "aes128" else 7, method, dtype, n, params)
     bound = {torch.float32: 8, torch.float64: 4, torch.float16: 1, torch.bfloat16: 1}[dtype]
     assert _ulp(cpu, emu) <= bound
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+@pytest.mark.parametrize("mean,std", [(0.0, 1.0), (0.0, 1.3)])
+def test_emulated_normal_multi_equals_per_tensor_calls(emulator, cipher, mean, std):
+    """One launch for many tensors (normal_foreach_ on CUDA): each tensor gets the values of its
+    own normal_ call, in order; empty tensors and several dtypes included."""
+    specs = [((1, 1), torch.float32), ((0,), torch.float32), ((3, 5), torch.float64), ((1, 1), torch.float32),
+             ((40_000,), torch.float32), ((7,), torch.bfloat16), ((2 * 16384 + 9,), torch.float64),
+             ((1,), torch.float16), ((0,), torch.float64)]
+    cpu_s = NativeSampler(BlockStream(KEY, 2**32 - 9, cipher))
+    emu_s = NativeSampler(BlockStream(KEY, 2**32 - 9, cipher))
+    cpu = [torch.empty(s, dtype=d) for s, d in specs]
+    emu = [torch.full(s, 7.0, dtype=d) for s, d in specs]
+    for t in cpu:
+        cpu_s.normal_(t, mean, std)
+    cuda_fast.normal_multi_(emu_s, emu, mean, std)
+    assert cpu_s.stream.counter == emu_s.stream.counter
+    for a, b in zip(cpu, emu, strict=True):
+        bound = {torch.float32: 8, torch.float64: 4}.get(a.dtype, 1)
+        assert a.shape == b.shape and (a.numel() == 0 or _ulp(a.view(-1), b.view(-1)) <= bound)

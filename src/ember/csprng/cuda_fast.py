@@ -284,3 +284,49 @@ _FILLS = {
     "random_range_": _random_range,
     "bernoulli_": _bernoulli,
 }
+
+
+MULTI_BLOCKS = 64  # blocks of a normal_multi launch per tensor at most (grid-stride beyond)
+
+
+def normal_multi_(sampler: NativeSampler, tensors: list[torch.Tensor], mean: float, std: float) -> None:
+    """``normal_(t, mean, std)`` for every tensor (contiguous, float, on one device) in order, in
+    one launch: the same values and stream position as one call per tensor."""
+    if not tensors:
+        return
+    stream = sampler.stream
+    c = _Call(stream, tensors[0].view(-1))
+    descs = (nk.Desc * len(tensors))()
+    affine = 0 if (mean == 0.0 and std == 1.0) else nk.F_AFFINE
+    off_units = {8: nk.GROUP * 8 // 16, 4: nk.GROUP * 4 // 16}
+    block = 0
+    for d, t in zip(descs, tensors, strict=True):
+        flat = t.view(-1)
+        n = flat.numel()
+        f64 = t.dtype == torch.float64
+        wb, bits = (8, 53) if f64 else (4, 24)
+        pairs = (n + 1) // 2
+        start = stream.reserve(blocks_for(pairs * 2 * wb))
+        first, skip = (start, 0) if c.cname == "aes" else divmod(start, 4)
+        d.ctr[:] = [(first >> (32 * j)) & 0xFFFFFFFF for j in range(4)]
+        ptr = flat.data_ptr() if n else 0
+        d.n, d.pairs, d.out = n, pairs, ptr
+        d.fp[:] = _normal_consts(f64, mean, std)
+        d.skip, d.kind, d.wb, d.mbits = skip, _KIND[t.dtype], wb, bits
+        d.flags = affine | (nk.F_F64 if f64 else 0) | (nk.F_ALIGNED if ptr % 16 == 0 else 0)
+        full, q = divmod(pairs, nk.GROUP)
+        off = off_units[wb]
+        work = max(full * (off if c.cname == "aes" else off // 4 + 1), q)
+        nb = 0 if n == 0 else max(1, min(-(-work // nk.NT), MULTI_BLOCKS))
+        d.first_block, d.nblocks = block, nb
+        block += nb
+    if block == 0:
+        return
+    raw = torch.frombuffer(bytearray(bytes(descs)), dtype=torch.uint8)
+    if tensors[0].is_cuda:  # pinned, copied without waiting (torch keeps the host buffer alive)
+        raw = raw.pin_memory().to(tensors[0].device, non_blocking=True)
+    p = c.params(0, 4, 24, 0)
+    p.p, p.n = raw.data_ptr(), len(tensors)
+    c.lch.launch(c.device, f"ember_{c.cname}_normal_multi", block, p, c.stream_handle)
+    if not tensors[0].is_cuda:
+        del raw  # the (emulated or recorded) launch has run

@@ -50,6 +50,33 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
             if t.numel():
                 torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
         return tensors
+    if tensors and type(sampler) is NativeSampler and _one_launch(sampler, tensors):
+        from . import cuda_fast
+
+        cuda_fast.normal_multi_(sampler, tensors, mean, std)
+        return tensors
     for t in tensors:
         fill_(t, generator, "normal_", mean, std)
     return tensors
+
+
+def _one_launch(sampler: NativeSampler, tensors: list[torch.Tensor]) -> bool:
+    """Whether the NVRTC path can fill all ``tensors`` in one launch (it then is ready to)."""
+    from . import cuda_backend, cuda_fast
+
+    dev = tensors[0].device
+    if dev.type != "cuda" or cuda_backend.fast_path() != "nvrtc":
+        return False
+    if sampler.stream.cipher_name not in ("aes128", "chacha20"):
+        return False
+    for t in tensors:
+        if (t.device != dev or t.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+                or not t.is_contiguous() or t.layout != torch.strided):
+            return False
+    cuda_backend.refuse_capture()
+    names = (f"ember_{'aes' if sampler.stream.cipher_name == 'aes128' else 'chacha'}_normal_multi",)
+    try:  # compiled and loaded before anything is reserved
+        cuda_fast.launcher().functions(dev.index or 0, names)
+    except Exception:
+        return False
+    return True

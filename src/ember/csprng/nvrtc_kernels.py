@@ -32,7 +32,7 @@ OPTIONS = ("--fmad=false", "--std=c++17", "--prec-div=true", "--prec-sqrt=true",
 KERNELS = tuple(
     f"ember_{c}_{op}"
     for c in ("aes", "chacha")
-    for op in ("uniform", "exponential", "integer", "bernoulli", "normal", "refill")
+    for op in ("uniform", "exponential", "integer", "bernoulli", "normal", "refill", "normal_multi")
 )
 
 # output kinds and flags (nvrtc_source.cu)
@@ -62,6 +62,26 @@ class Params(ctypes.Structure):
         ("kind", ctypes.c_int),
         ("flags", ctypes.c_int),
         ("cap", ctypes.c_int),
+    ]
+
+
+class Desc(ctypes.Structure):
+    """The kernels' ``struct Desc``: one tensor of a ``normal_multi`` launch."""
+
+    _fields_ = [
+        ("ctr", ctypes.c_uint32 * 4),
+        ("n", ctypes.c_int64),
+        ("pairs", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("fp", ctypes.c_double * 4),
+        ("first_block", ctypes.c_int64),
+        ("nblocks", ctypes.c_int64),
+        ("skip", ctypes.c_int),
+        ("kind", ctypes.c_int),
+        ("flags", ctypes.c_int),
+        ("wb", ctypes.c_int),
+        ("mbits", ctypes.c_int),
+        ("pad", ctypes.c_int),
     ]
 
 

@@ -473,12 +473,12 @@ __device__ __forceinline__ u64 word_at(const Params& P, const Tab* tab, i64 i) {
 }
 
 template <int C>
-__device__ __forceinline__ void normal_body(const Params& P, const Tab* tab) {
+__device__ __forceinline__ void normal_body(const Params& P, const Tab* tab, i64 block, i64 nblocks) {
     const int wpu = 16 / P.wb;
     const i64 full = P.pairs / GROUP;
     const i64 off = GROUP / wpu;  // units per half group
-    const i64 stride = (i64)gridDim.x * NT;
-    const i64 first = (i64)blockIdx.x * NT + threadIdx.x;
+    const i64 stride = nblocks * NT;
+    const i64 first = block * NT + threadIdx.x;
     if (C == C_AES) {
         for (i64 t = first; t < full * off; t += stride) {
             i64 d = (t / off) * 2 * off + t % off;
@@ -522,6 +522,44 @@ __device__ __forceinline__ void normal_body(const Params& P, const Tab* tab) {
             if (e1 < P.n) store_f(P, e1, z1);
         }
     }
+}
+
+// ----------------------------------------------------------------------- many tensors, one launch
+// normal_foreach_: tensor t's draw is described by descs[t]; its blocks are the launch's blocks
+// first_block .. first_block + nblocks - 1 (the host lays them out one tensor after another).
+struct Desc {
+    u32 ctr[4];
+    i64 n;
+    i64 pairs;
+    void* out;
+    double fp[4];
+    i64 first_block;
+    i64 nblocks;
+    int skip;
+    int kind;
+    int flags;
+    int wb;
+    int mbits;
+    int pad;
+};
+
+template <int C>
+__device__ __forceinline__ void normal_multi(const Params& P, const Tab* tab) {
+    const Desc* descs = (const Desc*)P.p;
+    i64 lo = 0, hi = P.n - 1;  // P.n: the number of tensors; find the one owning this block
+    const i64 b = blockIdx.x;
+    while (lo < hi) {
+        i64 mid = (lo + hi + 1) / 2;
+        if (descs[mid].first_block <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    const Desc& D = descs[lo];
+    Params Q = P;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) { Q.ctr[k] = D.ctr[k]; Q.fp[k] = D.fp[k]; }
+    Q.n = D.n; Q.pairs = D.pairs; Q.out = D.out; Q.skip = D.skip; Q.kind = D.kind;
+    Q.flags = D.flags; Q.wb = D.wb; Q.mbits = D.mbits;
+    normal_body<C>(Q, tab, b - D.first_block, D.nblocks);
 }
 
 // ------------------------------------------------------------------------------ integer refills
@@ -628,12 +666,24 @@ FILL_CHACHA(ember_chacha_bernoulli, OP_BERNOULLI)
 extern "C" __global__ void __launch_bounds__(NT) ember_aes_normal(const Params P) {
     __shared__ Tab tab;
     load_table(tab);
-    normal_body<C_AES>(P, &tab);
+    normal_body<C_AES>(P, &tab, blockIdx.x, gridDim.x);
 }
 #endif
 #if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_normal)
 extern "C" __global__ void __launch_bounds__(NT) ember_chacha_normal(const Params P) {
-    normal_body<C_CHACHA>(P, nullptr);
+    normal_body<C_CHACHA>(P, nullptr, blockIdx.x, gridDim.x);
+}
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_normal_multi)
+extern "C" __global__ void __launch_bounds__(NT) ember_aes_normal_multi(const Params P) {
+    __shared__ Tab tab;
+    load_table(tab);
+    normal_multi<C_AES>(P, &tab);
+}
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_normal_multi)
+extern "C" __global__ void __launch_bounds__(NT) ember_chacha_normal_multi(const Params P) {
+    normal_multi<C_CHACHA>(P, nullptr);
 }
 #endif
 #if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_refill)

@@ -77,7 +77,8 @@ typedef void (*Kernel)(const Params);
 static const std::pair<const char*, Kernel> KERNELS[] = {
     K(ember_aes_uniform), K(ember_aes_exponential), K(ember_aes_integer), K(ember_aes_bernoulli),
     K(ember_chacha_uniform), K(ember_chacha_exponential), K(ember_chacha_integer), K(ember_chacha_bernoulli),
-    K(ember_aes_normal), K(ember_chacha_normal), K(ember_aes_refill), K(ember_chacha_refill)};
+    K(ember_aes_normal), K(ember_chacha_normal), K(ember_aes_refill), K(ember_chacha_refill),
+    K(ember_aes_normal_multi), K(ember_chacha_normal_multi)};
 
 extern "C" int emu_launch(const char* name, int grid, const Params* P) {
     Kernel fn = nullptr;
