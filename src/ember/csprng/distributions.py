@@ -424,7 +424,7 @@ class NativeSampler:
         if draw is None and 0 < n <= small.SMALL_ITEMS:
             small.normal(self.stream, out, n, mean, std, log)
             return
-        if draw is None and 0 < n <= 2 * small.MEDIUM_PAIRS:
+        if draw is None and 0 < n <= 2 * min(small.MEDIUM_PAIRS, NORMAL_GROUP):  # one group
             small.normal_medium(self.stream, out, n, mean, std, log)
             return
         word, cd, bits = _compute(out.dtype)

@@ -3,7 +3,7 @@
 ``normal_foreach_(tensors, std, generator=g)`` fills ``tensors`` in order as
 ``for t in tensors: t.normal_(mean, std, generator=g)`` would (same values, same stream position)
 with less work per tensor: on CPU one keystream pass for all small tensors and no per-call routing;
-on CUDA one kernel launch per tensor and no host synchronisation.
+on CUDA (the NVRTC path) one kernel launch for all tensors and no host synchronisation.
 """
 
 from __future__ import annotations
