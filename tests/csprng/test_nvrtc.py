@@ -183,6 +183,18 @@ def _pair(method, dtype, params, n, cipher, counter=0, path="nvrtc", monkeypatch
     return cpu, gpu.cpu()
 
 
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_every_nvrtc_kernel_loads_and_the_fast_path_is_used(monkeypatch):
+    """On this GPU the NVRTC path is not silently replaced by Triton."""
+    monkeypatch.delenv("EMBER_CSPRNG_CUDA", raising=False)
+    assert nvrtc_kernels.available()
+    fns = cuda_fast.launcher().functions(torch.cuda.current_device(), nvrtc_kernels.KERNELS)
+    assert len(fns) == len(nvrtc_kernels.KERNELS)
+    torch.rand(10, device="cuda", generator=csprng.create_generator(0))
+    assert cuda_backend.fast_path() == "nvrtc" and not cuda_backend._FAST_BROKEN
+
+
 EXACT = [
     ("uniform_", torch.float32, ()), ("uniform_", torch.float32, (-2.0, 3.0)),
     ("uniform_", torch.float64, ()), ("uniform_", torch.float64, (-2.0, 3.0)),
