@@ -286,7 +286,7 @@ _FILLS = {
 }
 
 
-MULTI_BLOCKS = 64  # blocks of a normal_multi launch per tensor at most (grid-stride beyond)
+MULTI_BLOCKS = 1024  # blocks of a normal_multi launch per tensor at most (grid-stride beyond)
 
 
 def normal_multi_(sampler: NativeSampler, tensors: list[torch.Tensor], mean: float, std: float) -> None:
