@@ -65,8 +65,8 @@ class FakeLauncher:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, dict]] = []
 
-    def sm_count(self, device: int) -> int:
-        return 4
+    def resident_blocks(self, device: int, name: str) -> int:
+        return 32
 
     def launch(self, device, name, grid, params, stream) -> None:
         p = {f: getattr(params, f) for f, _ in params._fields_}

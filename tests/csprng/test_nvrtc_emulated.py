@@ -46,8 +46,8 @@ def emulator(tmp_path_factory):
     class Emulated:
         calls: list[str] = []
 
-        def sm_count(self, device: int) -> int:
-            return 1  # at most 8 blocks: grid-stride loops run several rounds
+        def resident_blocks(self, device: int, name: str) -> int:
+            return 8  # at most 8 blocks: grid-stride loops run several rounds
 
         def launch(self, device, name, grid, params, stream) -> None:
             self.calls.append(name)

@@ -38,7 +38,8 @@ _launcher: Any = None
 
 
 def set_launcher(launcher: Any) -> Any:
-    """Use ``launcher`` (``launch(device, name, grid, params, stream)``, ``sm_count(device)``);
+    """Use ``launcher`` (``launch(device, name, grid, params, stream)``,
+    ``resident_blocks(device, name)``);
     returns the previous one. ``None`` restores the CUDA driver launcher."""
     global _launcher
     old, _launcher = _launcher, launcher
@@ -116,13 +117,16 @@ class _Call:
         p.flags = flags | (nk.F_ALIGNED if aligned else 0)
         return p
 
-    def grid(self, work: int) -> int:
-        return max(1, min(-(-work // nk.NT), self.lch.sm_count(self.device) * 8))
+    def grid(self, work: int, name: str) -> int:
+        """Blocks for ``work`` thread-items: one per NT items, at most as many as the GPU holds at
+        once (a persistent grid: a second, partial wave would leave most SMs idle)."""
+        return max(1, min(-(-work // nk.NT), self.lch.resident_blocks(self.device, name)))
 
     def fill(self, op: str, p: nk.Params, nbytes: int) -> None:
         p.nunits = blocks_for(nbytes)
         work = p.nunits if self.cname == "aes" else -(-(p.nunits + p.skip) // 4)
-        self.lch.launch(self.device, f"ember_{self.cname}_{op}", self.grid(work), p, self.stream_handle)
+        name = f"ember_{self.cname}_{op}"
+        self.lch.launch(self.device, name, self.grid(work, name), p, self.stream_handle)
 
 
 def fast_fill_(sampler: NativeSampler, tensor: torch.Tensor, method: str, params: tuple) -> None:
@@ -188,7 +192,8 @@ def _normal_family(log: bool):
         full, q = divmod(pairs, nk.GROUP)
         off = nk.GROUP * wb // 16
         work = full * (off if c.cname == "aes" else off // 4 + 1)
-        c.lch.launch(c.device, f"ember_{c.cname}_normal", c.grid(max(work, q)), p, c.stream_handle)
+        name = f"ember_{c.cname}_normal"
+        c.lch.launch(c.device, name, c.grid(max(work, q), name), p, c.stream_handle)
 
     return fill
 

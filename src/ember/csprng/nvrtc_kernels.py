@@ -221,6 +221,7 @@ class DriverLauncher:
 
         self._driver = driver
         self._functions: dict[tuple[int, str], Any] = {}
+        self._resident: dict[tuple[int, str], int] = {}
         self._modules: list[Any] = []
         self._sms: dict[int, int] = {}
         self._arch: dict[int, str] = {}
@@ -264,13 +265,18 @@ class DriverLauncher:
         self._modules.append(mod)
         err, fn = drv.cuModuleGetFunction(mod, name.encode())
         _check(err, f"cuModuleGetFunction({name})")
+        err, per_sm = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, NT, 0)
+        _check(err, f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
+        self._resident[(device, name)] = max(1, int(per_sm)) * self._sms[device]
         return fn
 
-    def sm_count(self, device: int) -> int:
-        if device not in self._sms:
-            with self._lock:
-                self._context(device)
-        return self._sms[device]
+    def resident_blocks(self, device: int, name: str) -> int:
+        """How many blocks of ``name`` the device runs at once (SMs x blocks per SM)."""
+        n = self._resident.get((device, name))
+        if n is None:
+            self.functions(device, (name,))
+            n = self._resident[(device, name)]
+        return n
 
     def launch(self, device: int, name: str, grid: int, params: Params, stream: int) -> None:
         fn = self._functions.get((device, name)) or self.functions(device, (name,))[0]

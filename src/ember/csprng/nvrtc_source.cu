@@ -265,14 +265,24 @@ __device__ __forceinline__ double uniform_d(const Params& P, u64 k) {
     return x;
 }
 
-__device__ __noinline__ float exponential_f(const Params& P, u32 k) {
-    float u = __fmul_rn(__fadd_rn(__uint2float_rn(k & ((1u << P.mbits) - 1u)), 1.0f), (float)P.fp[0]);
-    return __fmul_rn(log_f(u), (float)P.fp[1]);
+// The transcendental helpers are not inlined (smaller kernels, faster compiles) and take their
+// constants by value: a reference to the kernel's Params would make it copied to local memory.
+__device__ __noinline__ float exponential_fv(u32 k, u32 mask, float f0, float f1) {
+    float u = __fmul_rn(__fadd_rn(__uint2float_rn(k & mask), 1.0f), f0);
+    return __fmul_rn(log_f(u), f1);
 }
 
-__device__ __noinline__ double exponential_d(const Params& P, u64 k) {
-    double u = __dmul_rn(__dadd_rn(__ull2double_rn(k & ((1ull << 53) - 1ull)), 1.0), P.fp[0]);
-    return __dmul_rn(log(u), P.fp[1]);
+__device__ __noinline__ double exponential_dv(u64 k, double f0, double f1) {
+    double u = __dmul_rn(__dadd_rn(__ull2double_rn(k & ((1ull << 53) - 1ull)), 1.0), f0);
+    return __dmul_rn(log(u), f1);
+}
+
+__device__ __forceinline__ float exponential_f(const Params& P, u32 k) {
+    return exponential_fv(k, (1u << P.mbits) - 1u, (float)P.fp[0], (float)P.fp[1]);
+}
+
+__device__ __forceinline__ double exponential_d(const Params& P, u64 k) {
+    return exponential_dv(k, P.fp[0], P.fp[1]);
 }
 
 // Lemire (or a mask for power-of-two ranges); records rejected elements
@@ -405,38 +415,53 @@ __device__ __forceinline__ void fill_chacha(const Params& P) {
 }
 
 // ---------------------------------------------------------------------------------- Box-Muller
-__device__ __noinline__ void pair_f(const Params& P, u32 kr, u32 ka, float& z0, float& z1) {
-    const u32 mask = (1u << P.mbits) - 1u;
-    float u = __fmul_rn(__uint2float_rn((kr & mask) + 1u), (float)P.fp[0]);
+__device__ __noinline__ float2 pair_fv(u32 kr, u32 ka, u32 mask, float f0, float f1, float f2, float f3,
+                                        int flags) {
+    float u = __fmul_rn(__uint2float_rn((kr & mask) + 1u), f0);
     float r = __fsqrt_rn(__fmul_rn(log_f(u), -2.0f));
-    float t = __fmul_rn(__uint2float_rn(ka & mask), (float)P.fp[1]);
-    z0 = __fmul_rn(r, cos_f(t));
-    z1 = __fmul_rn(r, sin_f(t));
-    if (P.flags & F_AFFINE) {
-        z0 = __fadd_rn(__fmul_rn(z0, (float)P.fp[2]), (float)P.fp[3]);
-        z1 = __fadd_rn(__fmul_rn(z1, (float)P.fp[2]), (float)P.fp[3]);
+    float t = __fmul_rn(__uint2float_rn(ka & mask), f1);
+    float z0 = __fmul_rn(r, cos_f(t));
+    float z1 = __fmul_rn(r, sin_f(t));
+    if (flags & F_AFFINE) {
+        z0 = __fadd_rn(__fmul_rn(z0, f2), f3);
+        z1 = __fadd_rn(__fmul_rn(z1, f2), f3);
     }
-    if (P.flags & F_LOG) {
+    if (flags & F_LOG) {
         z0 = exp_f(z0);
         z1 = exp_f(z1);
     }
+    return make_float2(z0, z1);
 }
 
-__device__ __noinline__ void pair_d(const Params& P, u64 kr, u64 ka, double& z0, double& z1) {
+__device__ __noinline__ double2 pair_dv(u64 kr, u64 ka, double f0, double f1, double f2, double f3, int flags) {
     const u64 mask = (1ull << 53) - 1ull;
-    double u = __dmul_rn(__ull2double_rn((kr & mask) + 1ull), P.fp[0]);
+    double u = __dmul_rn(__ull2double_rn((kr & mask) + 1ull), f0);
     double r = __dsqrt_rn(__dmul_rn(log(u), -2.0));
-    double t = __dmul_rn(__ull2double_rn(ka & mask), P.fp[1]);
-    z0 = __dmul_rn(r, cos(t));
-    z1 = __dmul_rn(r, sin(t));
-    if (P.flags & F_AFFINE) {
-        z0 = __dadd_rn(__dmul_rn(z0, P.fp[2]), P.fp[3]);
-        z1 = __dadd_rn(__dmul_rn(z1, P.fp[2]), P.fp[3]);
+    double t = __dmul_rn(__ull2double_rn(ka & mask), f1);
+    double z0 = __dmul_rn(r, cos(t));
+    double z1 = __dmul_rn(r, sin(t));
+    if (flags & F_AFFINE) {
+        z0 = __dadd_rn(__dmul_rn(z0, f2), f3);
+        z1 = __dadd_rn(__dmul_rn(z1, f2), f3);
     }
-    if (P.flags & F_LOG) {
+    if (flags & F_LOG) {
         z0 = exp(z0);
         z1 = exp(z1);
     }
+    return make_double2(z0, z1);
+}
+
+__device__ __forceinline__ void pair_f(const Params& P, u32 kr, u32 ka, float& z0, float& z1) {
+    float2 z = pair_fv(kr, ka, (1u << P.mbits) - 1u, (float)P.fp[0], (float)P.fp[1], (float)P.fp[2],
+                       (float)P.fp[3], P.flags);
+    z0 = z.x;
+    z1 = z.y;
+}
+
+__device__ __forceinline__ void pair_d(const Params& P, u64 kr, u64 ka, double& z0, double& z1) {
+    double2 z = pair_dv(kr, ka, P.fp[0], P.fp[1], P.fp[2], P.fp[3], P.flags);
+    z0 = z.x;
+    z1 = z.y;
 }
 
 // A full group: radius unit d (words d*wpu ..) pairs with angle unit d + off; cosines go to the

@@ -61,6 +61,8 @@ static unsigned short host_f2h(float x) { _Float16 h = (_Float16)x; unsigned sho
 static float host_h2f(unsigned short u) { _Float16 h; std::memcpy(&h, &u, 2); return (float)h; }
 struct float4 { float x, y, z, w; };
 struct double2 { double x, y; };
+struct float2 { float x, y; };
+static float2 make_float2(float a, float b) { return {a, b}; }
 struct longlong2 { long long x, y; };
 struct uint4 { unsigned x, y, z, w; };
 static float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
