@@ -200,7 +200,28 @@ def bench_small(reps: int = 7, calls: int = 300) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"ember_us": med["ember"] * 1e6, "philox_us": med["philox"] * 1e6,
             "spread_us": {k: (min(v) * 1e6, max(v) * 1e6) for k, v in times.items()},
-            "ratio": med["ember"] / med["philox"]}
+            "ratio": med["ember"] / med["philox"], "parts_us": _small_parts(ge)}
+
+
+def _small_parts(g, calls: int = 300) -> dict:
+    """Where the time of an ember ``randn(1000)`` goes (host and device), for diagnosis."""
+    from ember.csprng import cuda_backend, cuda_fast
+
+    x = torch.empty(1000, device="cuda")
+    sampler = g.sampler()
+    parts = {
+        "torch.empty(1000, cuda)": lambda: torch.empty(1000, device="cuda"),
+        "x.normal_(generator=g)": lambda: x.normal_(generator=g),
+        "cuda_backend.cuda_fill": lambda: cuda_backend.cuda_fill(sampler, x, "normal_", ()),
+        "cuda_fast.fast_fill_": lambda: cuda_fast.fast_fill_(sampler, x, "normal_", ()),
+        "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "Philox x.normal_": lambda: x.normal_(generator=torch.cuda.default_generators[0]),
+    }
+    out = {}
+    for name, fn in parts.items():
+        _wall_per_call(fn, 20)
+        out[name] = statistics.median(_wall_per_call(fn, calls) for _ in range(3)) * 1e6
+    return out
 
 
 def bench_dp_noise(reps: int = 7, std: float = 1.1) -> dict:
@@ -404,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     s, d = extra["small"], extra["dp_noise"]
     print(f"\nrandn(1000) per call: ember {s['ember_us']:.1f} us, Philox {s['philox_us']:.1f} us, "
           f"ratio {s['ratio']:.2f}")
+    print("  parts (us per call): " + ", ".join(f"{k} {v:.1f}" for k, v in s["parts_us"].items()))
     print(f"ResNet-18 DP noise ({d['tensors']} tensors, {d['values'] / 1e6:.1f} M values): ember "
           f"normal_foreach_ {d['ember_ms']:.3f} ms, Philox per tensor {d['philox_ms']:.3f} ms, "
           f"ratio {d['ratio']:.2f}")
