@@ -148,3 +148,27 @@ def test_emulated_normal_multi_equals_per_tensor_calls(emulator, cipher, mean, s
     for a, b in zip(cpu, emu, strict=True):
         bound = {torch.float32: 8, torch.float64: 4}.get(a.dtype, 1)
         assert a.shape == b.shape and (a.numel() == 0 or _ulp(a.view(-1), b.view(-1)) <= bound)
+
+
+def test_emulated_secure_noise_equals_opacus_procedure(emulator):
+    """One launch for Opacus's secure noise of many tensors: per tensor a throw-away draw and four
+    draws summed and halved, against the same procedure with per-call CPU draws."""
+    shapes = [(16, 3, 3, 3), (16,), (1,), (0,), (3, 16384 * 2 + 5), (7,)]
+    std = 1.3
+    cpu_s = NativeSampler(BlockStream(KEY, 41))
+    emu_s = NativeSampler(BlockStream(KEY, 41))
+    want = []
+    for s in shapes:
+        cpu_s.normal_(torch.empty(1, 1), 0.0, std)
+        total = torch.zeros(s)
+        for _ in range(4):
+            z = torch.empty(s)
+            cpu_s.normal_(z, 0.0, std)
+            total += z
+        want.append(total / 2)
+    got = [torch.full(s, 7.0) for s in shapes]
+    cuda_fast.secure_noise_(emu_s, got, std)
+    assert cpu_s.stream.counter == emu_s.stream.counter
+    for a, b in zip(want, got, strict=True):
+        # four float32 normals each within a few ulp (C library vs NumPy functions)
+        assert a.shape == b.shape and (a.numel() == 0 or float((a - b).abs().max()) <= 4e-5 * std)

@@ -58,3 +58,26 @@ def test_fusing_refuses_non_secure_or_non_ember_optimizers():
     opt.generator = torch.Generator()
     assert not fuse_secure_noise(opt)
     assert not fuse_secure_noise(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))
+
+
+def test_secure_noise_foreach_rejects_bad_input():
+    from ember.csprng.foreach import secure_noise_foreach_
+
+    g = csprng.create_generator(1)
+    with pytest.raises(TypeError, match="float32"):
+        secure_noise_foreach_([torch.zeros(3, dtype=torch.float64)], 1.0, generator=g)
+    with pytest.raises(ValueError, match="std"):
+        secure_noise_foreach_([torch.zeros(3)], 0.0, generator=g)
+    assert g.counter == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_secure_noise_equals_opacus_generate_noise_on_the_gpu():
+    refs = [torch.zeros(s, device="cuda") for s in SHAPES + [(512, 256, 3, 3)]]
+    g1, g2 = csprng.create_generator(11), csprng.create_generator(11)
+    want = [_generate_noise(0.9, r, generator=g1, secure_mode=True) for r in refs]
+    got = secure_noise(0.9, refs, g2)
+    assert g1.counter == g2.counter
+    for a, b in zip(want, got, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -341,3 +341,38 @@ def normal_multi_(sampler: NativeSampler, tensors: list[torch.Tensor], mean: flo
     c.lch.launch(c.device, f"ember_{c.cname}_normal_multi", block, p, c.stream_handle)
     if not tensors[0].is_cuda:
         del raw  # the (emulated or recorded) launch has run
+
+
+def secure_noise_(sampler: NativeSampler, outs: list[torch.Tensor], std: float) -> None:
+    """Opacus's secure-mode noise into each float32 tensor of ``outs`` (contiguous, one device),
+    AES-128 only, in one launch: per tensor one throw-away one-value draw, then
+    ``((((0 + z1) + z2) + z3) + z4) / 2`` of four ``normal_(0, std)`` draws of its size; the same
+    values and stream position as those five calls per tensor followed by the sums."""
+    if not outs:
+        return
+    stream = sampler.stream
+    c = _Call(stream, outs[0].view(-1))
+    descs = (nk.Desc4 * len(outs))()
+    block = 0
+    for d, t in zip(descs, outs, strict=True):
+        n = t.numel()
+        pairs = (n + 1) // 2
+        stream.reserve(blocks_for(2 * 4))  # the throw-away normal(0, std, (1, 1))
+        for draw in range(4):
+            start = stream.reserve(blocks_for(pairs * 2 * 4))
+            d.ctr[draw][:] = [(start >> (32 * j)) & 0xFFFFFFFF for j in range(4)]
+        d.n, d.pairs, d.out = n, pairs, t.data_ptr() if n else 0
+        full, q = divmod(pairs, nk.GROUP)
+        work = max(full * (nk.GROUP // 4), q)
+        nb = 0 if n == 0 else max(1, min(-(-work // nk.NT), MULTI_BLOCKS))
+        d.first_block, d.nblocks = block, nb
+        block += nb
+    if block == 0:
+        return
+    raw = torch.frombuffer(bytearray(bytes(descs)), dtype=torch.uint8)
+    if outs[0].is_cuda:
+        raw = raw.pin_memory().to(outs[0].device, non_blocking=True)
+    p = c.params(0, 4, 24, 0 if std == 1.0 else nk.F_AFFINE)
+    p.fp[:] = _normal_consts(False, 0.0, float(std))
+    p.p, p.n = raw.data_ptr(), len(outs)
+    c.lch.launch(c.device, "ember_aes_secure_noise", block, p, c.stream_handle)

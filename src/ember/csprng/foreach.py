@@ -50,7 +50,7 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
             if t.numel():
                 torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
         return tensors
-    if tensors and type(sampler) is NativeSampler and _one_launch(sampler, tensors):
+    if tensors and type(sampler) is NativeSampler and _one_launch(sampler, tensors, None):
         from . import cuda_fast
 
         cuda_fast.normal_multi_(sampler, tensors, mean, std)
@@ -60,7 +60,7 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
     return tensors
 
 
-def _one_launch(sampler: NativeSampler, tensors: list[torch.Tensor]) -> bool:
+def _one_launch(sampler: NativeSampler, tensors: list[torch.Tensor], kernel: str | None) -> bool:
     """Whether the NVRTC path can fill all ``tensors`` in one launch (it then is ready to)."""
     from . import cuda_backend, cuda_fast
 
@@ -74,9 +74,49 @@ def _one_launch(sampler: NativeSampler, tensors: list[torch.Tensor]) -> bool:
                 or not t.is_contiguous() or t.layout != torch.strided):
             return False
     cuda_backend.refuse_capture()
-    names = (f"ember_{'aes' if sampler.stream.cipher_name == 'aes128' else 'chacha'}_normal_multi",)
+    names = (kernel or f"ember_{'aes' if sampler.stream.cipher_name == 'aes128' else 'chacha'}_normal_multi",)
     try:  # compiled and loaded before anything is reserved
         cuda_fast.launcher().functions(dev.index or 0, names)
     except Exception:
         return False
     return True
+
+
+def secure_noise_foreach_(tensors: Sequence[torch.Tensor], std: float, *,
+                          generator: Generator) -> list[torch.Tensor]:
+    """Fill every float32 tensor with Opacus's secure-mode Gaussian noise, in order.
+
+    For each tensor ``t``: one throw-away ``normal(0, std, (1, 1))`` draw, then
+    ``((((0 + z1) + z2) + z3) + z4) / 2`` of four ``normal(0, std, t.shape)`` float32 draws (the
+    defence of Holohan et al., arXiv 2107.10138, as Opacus's ``_generate_noise(secure_mode=True)``
+    does it): exactly Opacus's values and generator position. On CUDA with the NVRTC path and an
+    AES-128 generator it is one kernel launch for all tensors; elsewhere one ``normal_foreach_``.
+    """
+    if not isinstance(generator, Generator):
+        raise TypeError(f"secure_noise_foreach_: generator must be an ember.csprng Generator, got "
+                        f"{type(generator).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"secure_noise_foreach_: tensors[{i}] must be a float32 tensor")
+    std = float(std)
+    if not std > 0.0:
+        raise ValueError(f"secure_noise_foreach_: expected std > 0, got {std}")
+    sampler = generator.sampler()
+    if (tensors and type(sampler) is NativeSampler and sampler.stream.cipher_name == "aes128"
+            and _one_launch(sampler, tensors, "ember_aes_secure_noise")):
+        from . import cuda_fast
+
+        cuda_fast.secure_noise_(sampler, tensors, std)
+        return tensors
+    draws: list[torch.Tensor] = []
+    for t in tensors:
+        draws.append(torch.empty((1, 1), device=t.device))
+        draws.extend(torch.empty(t.shape, device=t.device) for _ in range(4))
+    normal_foreach_(draws, std, generator=generator)
+    for i, t in enumerate(tensors):
+        total = torch.zeros(t.shape, device=t.device)
+        for z in draws[5 * i + 1: 5 * i + 5]:
+            total += z
+        torch.div(total, 2, out=t)
+    return tensors

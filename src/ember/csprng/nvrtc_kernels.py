@@ -33,7 +33,7 @@ KERNELS = tuple(
     f"ember_{c}_{op}"
     for c in ("aes", "chacha")
     for op in ("uniform", "exponential", "integer", "bernoulli", "normal", "refill", "normal_multi")
-)
+) + ("ember_aes_secure_noise",)
 
 # output kinds and flags (nvrtc_source.cu)
 K_F32, K_F64, K_F16, K_BF16, K_I64, K_I32, K_I16, K_I8, K_U8 = range(9)
@@ -82,6 +82,19 @@ class Desc(ctypes.Structure):
         ("wb", ctypes.c_int),
         ("mbits", ctypes.c_int),
         ("pad", ctypes.c_int),
+    ]
+
+
+class Desc4(ctypes.Structure):
+    """The kernels' ``struct Desc4``: one tensor of a ``secure_noise`` launch."""
+
+    _fields_ = [
+        ("ctr", (ctypes.c_uint32 * 4) * 4),
+        ("n", ctypes.c_int64),
+        ("pairs", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("first_block", ctypes.c_int64),
+        ("nblocks", ctypes.c_int64),
     ]
 
 

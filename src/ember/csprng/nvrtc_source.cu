@@ -587,6 +587,99 @@ __device__ __forceinline__ void normal_multi(const Params& P, const Tab* tab) {
     normal_body<C>(Q, tab, b - D.first_block, D.nblocks);
 }
 
+// ------------------------------------------------------------ Opacus secure noise, one launch
+// For each tensor: four float32 normal draws of its size (after a one-value throw-away draw, which
+// only reserves blocks), summed in order into zero and halved: ((((0 + z1) + z2) + z3) + z4) / 2,
+// Opacus's secure-mode noise. AES-128 only (the four draws' units line up: one block per unit).
+struct Desc4 {
+    u32 ctr[4][4];
+    i64 n;
+    i64 pairs;
+    void* out;
+    i64 first_block;
+    i64 nblocks;
+};
+
+__device__ __forceinline__ void aes_unit_at(const Params& P, const Tab& tab, const u32* ctr, i64 d, u32* w) {
+    u32 i0, i1, i2, i3;
+    add128(ctr, (u64)d, i0, i1, i2, i3);
+    aes_block(P, tab, i0, i1, i2, i3, w);
+}
+
+__device__ __forceinline__ u32 aes_word32_at(const Params& P, const Tab& tab, const u32* ctr, i64 i) {
+    u32 w[4];
+    aes_unit_at(P, tab, ctr, i / 4, w);
+    int k = (int)(i % 4);
+    u32 v = w[0];
+    if (k == 1) v = w[1];
+    if (k == 2) v = w[2];
+    if (k == 3) v = w[3];
+    return v;
+}
+
+__device__ __forceinline__ void secure_noise_body(const Params& P, const Tab& tab) {
+    const Desc4* descs = (const Desc4*)P.p;
+    i64 lo = 0, hi = P.n - 1;
+    const i64 b = blockIdx.x;
+    while (lo < hi) {
+        i64 mid = (lo + hi + 1) / 2;
+        if (descs[mid].first_block <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    const Desc4& D = descs[lo];
+    float* out = (float*)D.out;
+    const i64 n = D.n;
+    const i64 full = D.pairs / GROUP;
+    const i64 off = GROUP / 4;
+    const i64 stride = D.nblocks * NT;
+    const i64 first = (b - D.first_block) * NT + threadIdx.x;
+    const bool aligned = ((unsigned long long)out & 15ull) == 0;
+    for (i64 t = first; t < full * off; t += stride) {
+        i64 d = (t / off) * 2 * off + t % off;
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int draw = 0; draw < 4; ++draw) {
+            u32 wr[4], wa[4];
+            aes_unit_at(P, tab, D.ctr[draw], d, wr);
+            aes_unit_at(P, tab, D.ctr[draw], d + off, wa);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                float z0, z1;
+                pair_f(P, wr[k], wa[k], z0, z1);
+                c[k] = __fadd_rn(c[k], z0);
+                s[k] = __fadd_rn(s[k], z1);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            c[k] = __fdiv_rn(c[k], 2.0f);
+            s[k] = __fdiv_rn(s[k], 2.0f);
+        }
+        i64 e0 = 4 * d, e1 = 4 * (d + off);
+        if (aligned) {  // full groups are never the tail: all 4 + 4 elements exist
+            *(float4*)(out + e0) = make_float4(c[0], c[1], c[2], c[3]);
+            *(float4*)(out + e1) = make_float4(s[0], s[1], s[2], s[3]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) { out[e0 + k] = c[k]; out[e1 + k] = s[k]; }
+        }
+    }
+    const i64 base = 2 * full * GROUP;
+    const i64 q = D.pairs - full * GROUP;
+    for (i64 i = first; i < q; i += stride) {
+        float c = 0.0f, s = 0.0f;
+        for (int draw = 0; draw < 4; ++draw) {
+            u32 kr = aes_word32_at(P, tab, D.ctr[draw], base + i);
+            u32 ka = aes_word32_at(P, tab, D.ctr[draw], base + q + i);
+            float z0, z1;
+            pair_f(P, kr, ka, z0, z1);
+            c = __fadd_rn(c, z0);
+            s = __fadd_rn(s, z1);
+        }
+        if (base + i < n) out[base + i] = __fdiv_rn(c, 2.0f);
+        if (base + q + i < n) out[base + q + i] = __fdiv_rn(s, 2.0f);
+    }
+}
+
 // ------------------------------------------------------------------------------ integer refills
 // Rejected positions (sorted, in P.pos[0 .. *P.cnt)) are replaced in increasing order from the
 // draw's refill stream (P's key and counter): one word per pending position per round, each
@@ -709,6 +802,13 @@ extern "C" __global__ void __launch_bounds__(NT) ember_aes_normal_multi(const Pa
 #if defined(EMBER_ALL) || defined(EMBER_K_ember_chacha_normal_multi)
 extern "C" __global__ void __launch_bounds__(NT) ember_chacha_normal_multi(const Params P) {
     normal_multi<C_CHACHA>(P, nullptr);
+}
+#endif
+#if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_secure_noise)
+extern "C" __global__ void __launch_bounds__(NT) ember_aes_secure_noise(const Params P) {
+    __shared__ Tab tab;
+    load_table(tab);
+    secure_noise_body(P, tab);
 }
 #endif
 #if defined(EMBER_ALL) || defined(EMBER_K_ember_aes_refill)

@@ -215,9 +215,13 @@ def secure_noise(std: float, references: list[torch.Tensor], generator: Any) -> 
     into zeros of the reference's dtype in that order.
     """
     from ember.csprng import normal_foreach_
+    from ember.csprng.foreach import secure_noise_foreach_
 
     if std == 0:
         return [torch.zeros(r.shape, device=r.device, dtype=r.dtype) for r in references]
+    if all(r.dtype == torch.float32 for r in references):  # one launch on CUDA
+        return secure_noise_foreach_([torch.empty(r.shape, device=r.device) for r in references],
+                                     float(std), generator=generator)
     draws: list[torch.Tensor] = []
     for r in references:
         draws.append(torch.empty((1, 1), device=r.device))

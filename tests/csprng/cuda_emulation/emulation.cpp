@@ -47,6 +47,7 @@ static double __ll2double_rn(long long x) { return (double)x; }
 static unsigned long long __double2ull_rz(double x) { return (unsigned long long)x; }
 static float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 static float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 static float __fsqrt_rn(float a) { return std::sqrt(a); }
 static double __dadd_rn(double a, double b) { volatile double r = a + b; return r; }
 static double __dmul_rn(double a, double b) { volatile double r = a * b; return r; }
@@ -80,7 +81,7 @@ static const std::pair<const char*, Kernel> KERNELS[] = {
     K(ember_aes_uniform), K(ember_aes_exponential), K(ember_aes_integer), K(ember_aes_bernoulli),
     K(ember_chacha_uniform), K(ember_chacha_exponential), K(ember_chacha_integer), K(ember_chacha_bernoulli),
     K(ember_aes_normal), K(ember_chacha_normal), K(ember_aes_refill), K(ember_chacha_refill),
-    K(ember_aes_normal_multi), K(ember_chacha_normal_multi)};
+    K(ember_aes_normal_multi), K(ember_chacha_normal_multi), K(ember_aes_secure_noise)};
 
 extern "C" int emu_launch(const char* name, int grid, const Params* P) {
     Kernel fn = nullptr;
