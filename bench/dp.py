@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'DP-SGD step, CNN 32x32, batch 256 (median ms)':46s} "
           f"{step['median_s']['secure (ember)'] * 1e3:10.1f} "
           f"{step['median_s']['non-secure (torch)'] * 1e3:10.1f} {step['ratio_median']:7.3f}")
+    print(f"{'  the same, secure noise fused (one pass)':46s} "
+          f"{step['median_s']['secure (ember, fused noise)'] * 1e3:10.1f} "
+          f"{step['median_s']['non-secure (torch)'] * 1e3:10.1f} {step['ratio_fused_median']:7.3f}")
     print(f"{f'secure noise, {n / 1e6:g} M values (best ms)':46s} "
           f"{noise['best_s']['ember'] * 1e3:10.1f} {noise['best_s']['torch.Generator'] * 1e3:10.1f} "
           f"{1 / noise['speedup_best']:7.3f}")
