@@ -433,7 +433,16 @@ def main(argv: list[str] | None = None) -> int:
     print("\ngoals:")
     for gl in met:
         print(f"  {gl['goal']:<44}{gl['value']:>8.2f}  {'met' if gl['met'] else 'NOT met'}")
+    try:  # blocks per SM of each NVRTC kernel used (occupancy), for diagnosis
+        from ember.csprng import cuda_fast
+
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        resident = {k[1]: v // sms for k, v in getattr(cuda_fast.launcher(), "_resident", {}).items()}
+        print("NVRTC kernels, resident blocks per SM: " + ", ".join(f"{k} {v}" for k, v in resident.items()))
+    except Exception as exc:  # the Triton path, or no launcher
+        resident = {"error": str(exc)}
     meta = {
+        "resident_blocks_per_sm": resident,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
         "triton": _version("triton"),
