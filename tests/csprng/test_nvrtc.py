@@ -324,6 +324,36 @@ def test_cuda_normal_foreach_equals_per_tensor_calls(monkeypatch):
 
 @needs_cuda
 @pytest.mark.cuda
+def test_cuda_draws_from_other_threads(monkeypatch):
+    """Launches from a thread that made no CUDA call before (no current context there yet)."""
+    import threading
+
+    monkeypatch.setenv("EMBER_CSPRNG_CUDA", "nvrtc")
+    x = torch.empty(5000, device="cuda")
+    y = torch.empty(5000, device="cuda", dtype=torch.int64)
+    g = csprng.create_generator(21)
+    errors = []
+
+    def work():
+        try:
+            x.normal_(generator=g)
+            y.random_(0, 3 << 30, generator=g)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
+    h = csprng.create_generator(21)
+    a, b = torch.empty(5000), torch.empty(5000, dtype=torch.int64)
+    a.normal_(generator=h)
+    b.random_(0, 3 << 30, generator=h)
+    assert torch.equal(b, y.cpu()) and float((a - x.cpu()).abs().max()) < 1e-5
+
+
+@needs_cuda
+@pytest.mark.cuda
 def test_cuda_graph_capture_is_refused():
     g = csprng.create_generator(1)
     x = torch.empty(16, device="cuda")

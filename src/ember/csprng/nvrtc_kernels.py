@@ -236,6 +236,7 @@ class DriverLauncher:
         self._functions: dict[tuple[int, str], Any] = {}
         self._handles: dict[tuple[int, str], int] = {}
         self._resident: dict[tuple[int, str], int] = {}
+        self._contexts: dict[int, Any] = {}
         self._c_launch = _c_launch_kernel()
         self._modules: list[Any] = []
         self._sms: dict[int, int] = {}
@@ -267,6 +268,7 @@ class DriverLauncher:
             err, ctx = drv.cuDevicePrimaryCtxRetain(dev)  # the context torch uses
             _check(err, "cuDevicePrimaryCtxRetain")
             _check(drv.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+            self._contexts[device] = ctx
             major, minor = torch.cuda.get_device_capability(device)
             self._sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
             self._arch[device] = f"sm_{major}{minor}"
@@ -275,6 +277,7 @@ class DriverLauncher:
     def _load(self, device: int, name: str) -> Any:
         drv = self._driver
         arch = self._context(device)
+        _check(drv.cuCtxSetCurrent(self._contexts[device])[0], "cuCtxSetCurrent")  # this thread's
         err, mod = drv.cuModuleLoadData(compile_cubin(arch, name))
         _check(err, f"cuModuleLoadData({name})")
         self._modules.append(mod)
@@ -300,14 +303,23 @@ class DriverLauncher:
         if handle is None:
             self.functions(device, (name,))
             handle = self._handles[(device, name)]
-        if self._c_launch is not None:  # the driver's C entry point: a microsecond per launch
-            err = self._c_launch(handle, grid, 1, 1, NT, 1, 1, 0, stream, ctypes.addressof(argv), None)
-        else:
-            fn = self._functions[(device, name)]
-            (err,) = self._driver.cuLaunchKernel(
-                fn, grid, 1, 1, NT, 1, 1, 0, self._driver.CUstream(stream), ctypes.addressof(argv), 0
-            )
+        err = self._launch(device, name, handle, grid, argv, stream)
+        if int(err) == _INVALID_CONTEXT:  # a thread on which nothing made the context current yet
+            _check(self._driver.cuCtxSetCurrent(self._contexts[device])[0], "cuCtxSetCurrent")
+            err = self._launch(device, name, handle, grid, argv, stream)
         _check(err, f"cuLaunchKernel({name})")
+
+    def _launch(self, device: int, name: str, handle: int, grid: int, argv: Any, stream: int) -> Any:
+        if self._c_launch is not None:  # the driver's C entry point: a microsecond per launch
+            return self._c_launch(handle, grid, 1, 1, NT, 1, 1, 0, stream, ctypes.addressof(argv), None)
+        fn = self._functions[(device, name)]
+        (err,) = self._driver.cuLaunchKernel(
+            fn, grid, 1, 1, NT, 1, 1, 0, self._driver.CUstream(stream), ctypes.addressof(argv), 0
+        )
+        return err
+
+
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 def _c_launch_kernel() -> Any:
