@@ -76,6 +76,9 @@ EXACT = [
     ("uniform_", torch.float64, ()), ("uniform_", torch.float64, (-2.0, 3.0)),
     ("uniform_", torch.float16, ()), ("uniform_", torch.float16, (-2.0, 3.0)),
     ("uniform_", torch.bfloat16, ()), ("uniform_", torch.bfloat16, (-1.0, 7.0)),
+    # a and b round to one value of the dtype: torch gives a, never a value below it (layout 4)
+    ("uniform_", torch.float32, (1.0, 1.00000001)), ("uniform_", torch.float16, (0.0, 1e-8)),
+    ("uniform_", torch.bfloat16, (255.5, 256.4)), ("uniform_", torch.float64, (-1e-300, 1e-300)),
     ("random_range_", torch.int64, (-5, 2**31 + 1)), ("random_range_", torch.int64, (-(2**62), 2**62 + 7)),
     ("random_range_", torch.int64, (0, 2**32)), ("random_range_", torch.int64, (-(2**63), 2**63)),
     ("random_range_", torch.int32, (-1000, 1000)), ("random_range_", torch.uint8, (0, 200)),
@@ -127,6 +130,21 @@ def test_emulated_transcendental_within_ulps(emulator, cipher, dtype, n, method,
     cpu, emu = _pair(cipher, 2**32 - 2 if cipher == "aes128" else 7, method, dtype, n, params)
     bound = {torch.float32: 8, torch.float64: 4, torch.float16: 1, torch.bfloat16: 1}[dtype]
     assert _ulp(cpu, emu) <= bound
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+def test_emulated_exponential_is_never_zero(emulator, cipher):
+    """A word whose masked bits are all ones makes u = 1 and log(u) = 0: the kernels cap log(u) at
+    -eps/2 as the CPU sampler and torch do, so the value stays inside the support x > 0."""
+    n = 2**25  # about two such words expected among these
+    scan = torch.empty(n)
+    NativeSampler(BlockStream(KEY, 0, cipher)).exponential_(scan)
+    hits = (scan <= 2.0**-24).nonzero().flatten().tolist()
+    assert hits, "no word with all mask bits set in this range"
+    per_block = 4  # float32 words per 16-byte block of the stream, both ciphers
+    for i in hits:
+        cpu, emu = _pair(cipher, i // per_block, "exponential_", torch.float32, i % per_block + 1, ())
+        assert cpu[-1] == scan[i] and emu[-1] == cpu[-1] and emu[-1] > 0
 
 
 @pytest.mark.parametrize("cipher", CIPHERS)

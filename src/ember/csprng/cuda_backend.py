@@ -212,6 +212,11 @@ def _device_table(cipher: str, key: bytes, device: torch.device) -> torch.Tensor
     return torch.from_numpy(cipher_table(cipher, key)).to(device)
 
 
+@lru_cache(maxsize=256)
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(x, dtype=dtype))
+
+
 def _below(b: float, dtype: torch.dtype) -> float:
     t = torch.tensor(b, dtype=dtype)
     return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype)))
@@ -395,8 +400,9 @@ def _uniform(f: _Fill) -> None:
     start = f.stream.reserve(blocks_for(f.n * wb))
     if f.n == 0:
         return
-    if a == b and not (a == 0.0 and b == 1.0):
-        f.flat.fill_(a)
+    lo = _rounded(a, f.dtype)
+    if lo == _rounded(b, f.dtype) and not (a == 0.0 and b == 1.0):
+        f.flat.fill_(lo)  # a and b are one value of the dtype: torch gives a (layout 4)
         return
     scale, shift = cd((b - a) * 2.0**-bits), cd(a)
     clamp = not (a == 0.0 and b == 1.0)
@@ -411,6 +417,8 @@ def _uniform(f: _Fill) -> None:
         flag2=clamp,
     )
     f.run(start, f.n * wb, spec)
+    if clamp and bits < 24:  # a float32 value >= a can round below a's own 16-bit rounding
+        f.flat.clamp_(min=lo)
 
 
 def _normal_family(log: bool):

@@ -151,8 +151,9 @@ def _uniform(c: _Call, params: tuple) -> None:
     start = c.stream.reserve(blocks_for(c.n * wb))
     if c.n == 0:
         return
-    if a == b and not (a == 0.0 and b == 1.0):
-        c.out.fill_(a)
+    lo = _rounded(a, c.dtype)
+    if lo == _rounded(b, c.dtype) and not (a == 0.0 and b == 1.0):
+        c.out.fill_(lo)  # a and b are one value of the dtype: torch gives a (layout 4)
         return
     f32 = c.dtype != torch.float64
     scale, shift = _round((b - a) * 2.0**-bits, f32), _round(a, f32)
@@ -160,12 +161,19 @@ def _uniform(c: _Call, params: tuple) -> None:
     p = c.params(start, wb, bits, (nk.F_SHIFT if shift != 0 else 0) | (nk.F_CLAMP if clamp else 0))
     p.fp[0], p.fp[1], p.fp[2] = scale, shift, _below(b, c.dtype) if clamp else 0.0
     c.fill("uniform", p, c.n * wb)
+    if clamp and bits < 24:  # a float32 value >= a can round below a's own 16-bit rounding
+        c.out.clamp_(min=lo)
 
 
 @lru_cache(maxsize=1024)
 def _round(x: float, f32: bool) -> float:
     """``x`` rounded to float32 (as a Python float) when ``f32``."""
     return float(torch.tensor(x, dtype=torch.float32)) if f32 else x
+
+
+@lru_cache(maxsize=256)
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(x, dtype=dtype))
 
 
 @lru_cache(maxsize=256)

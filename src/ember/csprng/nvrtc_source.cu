@@ -269,12 +269,14 @@ __device__ __forceinline__ double uniform_d(const Params& P, u64 k) {
 // constants by value: a reference to the kernel's Params would make it copied to local memory.
 __device__ __noinline__ float exponential_fv(u32 k, u32 mask, float f0, float f1) {
     float u = __fmul_rn(__fadd_rn(__uint2float_rn(k & mask), 1.0f), f0);
-    return __fmul_rn(log_f(u), f1);
+    float l = log_f(u);  // u = 1 gives 0, outside x > 0: as torch, log(u) is at most -eps/2
+    return __fmul_rn(l < -5.9604644775390625e-08f ? l : -5.9604644775390625e-08f, f1);
 }
 
 __device__ __noinline__ double exponential_dv(u64 k, double f0, double f1) {
     double u = __dmul_rn(__dadd_rn(__ull2double_rn(k & ((1ull << 53) - 1ull)), 1.0), f0);
-    return __dmul_rn(log(u), f1);
+    double l = log(u);
+    return __dmul_rn(l < -1.1102230246251565e-16 ? l : -1.1102230246251565e-16, f1);
 }
 
 __device__ __forceinline__ float exponential_f(const Params& P, u32 k) {

@@ -402,7 +402,12 @@ def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
         _store_value(out_ptr, e, y, ok & (e < n), VIA_F32)
     elif OP == EXPONENTIAL:
         u = (_to_float(_mask(w, MBITS), F64) + 1.0) * _param(fp_ptr, 0, F64)
-        _store(out_ptr, e, _log_t(u, F64) * _param(fp_ptr, 1, F64), ok, n, VIA_F32)
+        lg = _log_t(u, F64)  # at most -eps/2 of the compute type, as torch (stream layout 4)
+        if F64:
+            lg = tl.minimum(lg, -1.1102230246251565e-16)
+        else:
+            lg = tl.minimum(lg, -5.9604644775390625e-08)
+        _store(out_ptr, e, lg * _param(fp_ptr, 1, F64), ok, n, VIA_F32)
     elif OP == CAUCHY:
         u = (_to_float(_mask(w, MBITS), F64) + 0.5) * _param(fp_ptr, 0, F64)
         t = _tan_t((u - 0.5) * _param(fp_ptr, 1, F64), F64)
