@@ -176,9 +176,19 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
     sample_rate = 1 / len(loader)
     sigma = config.noise_multiplier
     if sigma is None:
-        sigma = float(get_noise_multiplier(target_epsilon=config.epsilon, target_delta=config.delta,
-                                           sample_rate=sample_rate, epochs=epochs,
-                                           accountant=config.accountant))
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sigma = float(get_noise_multiplier(
+                    target_epsilon=config.epsilon, target_delta=config.delta,
+                    sample_rate=sample_rate, epochs=epochs, accountant=config.accountant))
+            for w in caught:  # passed on only when a multiplier was found (else: the error)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        except ValueError as exc:  # Opacus: "The privacy budget is too low."
+            raise ConfigError(f"no noise multiplier reaches epsilon={config.epsilon} at "
+                              f"delta={config.delta} over {epochs} epochs of sample rate "
+                              f"{sample_rate:.3g} ({exc}); raise epsilon or lower the "
+                              "epochs") from None
     module, dp_optimizer, dp_loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
         max_grad_norm=config.max_grad_norm, poisson_sampling=True)
