@@ -6,13 +6,24 @@ SWAG collection, DP-SGD through Opacus on ember.csprng (``privacy=``), exact che
 DistributedDataParallel under torchrun. See docs/train.md.
 """
 
-from ember.train.checkpoint import load_checkpoint, save_checkpoint, weights_digest
-from ember.train.data import check_shards, image_class_loader, peek_image_shape
-from ember.train.errors import ConfigError
-from ember.train.loop import TrainConfig, TrainResult, evaluate, fit, predict
-from ember.train.noise import GaussianGradientNoise
-from ember.train.precision import PRECISIONS, Precision
-from ember.train.privacy import PrivacyConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the module defining it. Imported on first use, so that `ember train --help` (which
+# imports ember.train.cli, and with it this package) does not import torch.
+_EXPORTS = {
+    "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
+    "weights_digest": "checkpoint",
+    "check_shards": "data", "image_class_loader": "data", "peek_image_shape": "data",
+    "ConfigError": "errors",
+    "TrainConfig": "loop", "TrainResult": "loop", "evaluate": "loop", "fit": "loop",
+    "predict": "loop",
+    "GaussianGradientNoise": "noise",
+    "PRECISIONS": "precision", "Precision": "precision",
+    "PrivacyConfig": "privacy",
+}
 
 __all__ = [
     "PRECISIONS",
@@ -32,3 +43,25 @@ __all__ = [
     "save_checkpoint",
     "weights_digest",
 ]
+
+if TYPE_CHECKING:
+    from ember.train.checkpoint import load_checkpoint, save_checkpoint, weights_digest
+    from ember.train.data import check_shards, image_class_loader, peek_image_shape
+    from ember.train.errors import ConfigError
+    from ember.train.loop import TrainConfig, TrainResult, evaluate, fit, predict
+    from ember.train.noise import GaussianGradientNoise
+    from ember.train.precision import PRECISIONS, Precision
+    from ember.train.privacy import PrivacyConfig
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ember.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ember.train.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
