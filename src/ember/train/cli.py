@@ -95,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "number of names in the classes.json next to the --data shards)")
     data.add_argument("--grayscale", action="store_true",
                       help="decode images as 1-channel grayscale (default: RGB)")
-    data.add_argument("--image-size", type=_image_size, default=None, metavar="S|HxW",
+    data.add_argument("--image-size", default=None, metavar="S|HxW",
                       help="train on S x S (or H x W) images: each image is scaled, aspect kept, "
                       "until it covers that size, then center-cropped (default: the size of the "
                       "first image)")
@@ -175,15 +175,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
-def _image_size(text: str) -> tuple[int, int]:
+def _image_size(text: str | None) -> tuple[int, int] | None:
     """``--image-size``: ``S`` or ``HxW``."""
-    parts = text.lower().split("x")
+    if text is None or isinstance(text, tuple):
+        return text
+    parts = str(text).lower().split("x")
     try:
         sizes = [int(v) for v in parts]
     except ValueError:
         sizes = []
-    if len(sizes) not in (1, 2) or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected S or HxW with positive integers, got {text!r}")
+    if len(sizes) not in (1, 2) or min(sizes) < 1 or max(sizes) > 65535:
+        raise ConfigError(f"--image-size must be S or HxW, whole numbers in [1, 65535], got "
+                          f"{text!r}")
     return (sizes[0], sizes[0]) if len(sizes) == 1 else (sizes[0], sizes[1])
 
 
@@ -420,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
         check_shards(args.eval_data, "--eval-data")
     names = _class_names(args)
     _check_args(args)
+    args.image_size = _image_size(args.image_size)
     _prepare_out(args.out, args.resume, args.force)
     config = TrainConfig(
         epochs=args.epochs, precision=args.precision, accumulate=args.accumulate,
