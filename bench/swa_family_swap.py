@@ -35,7 +35,7 @@ CPU thread. Methods (full / quick):
   process alone, batch 32 over the whole training set in its own order (seed 1000*seed+rank),
   lr 0.05, 3 / 1 epochs; BatchNorm recomputed on 20 of its own batches.
 - "SWAP (2 processes)": the phase-2 weights averaged over the 2 processes, BatchNorm recomputed on
-  20 batches per process and pooled (ember.swa.swap_fit).
+  20 batches per process and pooled (ember.train.recipes.swap_fit).
 Metrics: accuracy, NLL and ECE (20 equal-mass bins) per test set, and wall_s: training wall time
 (for SWAP measured on rank 0 from a barrier before phase 1 to the end of phase 3; process start and
 group set-up excluded). Seeds 0, 1, 2 (quick: the seeds given); mean and std over seeds.
@@ -114,8 +114,8 @@ def _worker(rank: int, port: int, seeds: list[int], cfg: dict, out_dir: str) -> 
     import torch.distributed as dist
 
     from ember.swa import update_bn
-    from ember.swa.swap import swap_fit
     from ember.train import TrainConfig
+    from ember.train.recipes.swap import swap_fit
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -127,7 +127,7 @@ def _worker(rank: int, port: int, seeds: list[int], cfg: dict, out_dir: str) -> 
     tests = shifted_test_sets(xte)
     records = []
     for seed in seeds:
-        import ember.swa.swap as swap
+        import ember.train.recipes.swap as swap
 
         model = _model(seed)
         optimizer = _sgd(model, 0.2)

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from ember.shards import ShardDataset, ShardError, ShardLoader, ShardWriter, plan
-from ember.shards.dataset import DEFAULT_TRANSFER_GROUP
+from ember.shards.loader import DEFAULT_TRANSFER_GROUP
 from ember.shards.urls import expand_urls
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -271,16 +271,16 @@ class _Opens:
     """Records where each shard's tar parsing starts: (shard, byte offset of the stream)."""
 
     def __init__(self, monkeypatch):
-        import ember.shards.dataset as dataset
+        import ember.shards.reading as reading
 
         self.seen: list[tuple[str, int]] = []
-        real = dataset.open_tar_source
+        real = reading.open_tar_source
 
         def spy(stream, url):
             self.seen.append((url, stream.tell()))
             return real(stream, url)
 
-        monkeypatch.setattr(dataset, "open_tar_source", spy)
+        monkeypatch.setattr(reading, "open_tar_source", spy)
 
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
@@ -491,7 +491,7 @@ def test_error_after_a_seek_names_the_absolute_offset(make_shards):
 
 
 def test_truncation_message_after_a_seek_quotes_absolute_offsets(make_shards):
-    from ember.shards.dataset import _shard_from
+    from ember.shards.reading import _shard_from
 
     pattern, keys = make_shards(2, 8, index=True)
     url = expand_urls(pattern)[0]

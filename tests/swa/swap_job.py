@@ -1,6 +1,6 @@
 """One rank of the SWAP test (run by tests/swa/test_swap.py under torchrun, gloo on CPU).
 
-Trains a BatchNorm + dropout MLP on scikit-learn's digits with ember.swa.swap_fit and writes, per
+Trains a BatchNorm + dropout MLP on scikit-learn's digits with ember.train.recipes.swap_fit and writes, per
 rank, the phase-2 weights (captured just before the average) and the final weights to JSON.
 """
 
@@ -18,7 +18,7 @@ from torch import nn
 def main(out: Path) -> None:
     from sklearn.datasets import load_digits
 
-    import ember.swa.swap as swap
+    import ember.train.recipes.swap as swap
     from ember.train import TrainConfig
 
     dist.init_process_group("gloo", init_method="env://")

@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from ember.swa.multiswa import MultiSWA, train_multiswa
+from ember.swa.multiswa import MultiSWA
+from ember.train.recipes import train_multiswa
 
 
 def _mlp(hidden=8):

@@ -1,4 +1,5 @@
-"""SWAP (ember.swa.swap) with 2 CPU processes (gloo on loopback) launched by torchrun."""
+"""SWAP (ember.swa.swap averaging, ember.train.recipes.swap training) with 2 CPU processes
+(gloo on loopback) launched by torchrun."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from ember.swa import swap_average_, swap_fit, swap_world_size
+from ember.swa import swap_average_, swap_world_size
+from ember.train.recipes import swap_fit
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from ember.shards.dataset import ShardDataset, _samples, iter_shard
+from ember.shards.dataset import ShardDataset
 from ember.shards.decode import IMAGE_EXTENSIONS, MAX_PIXELS
 from ember.shards.errors import ShardError
 from ember.shards.index import (
@@ -28,6 +28,7 @@ from ember.shards.index import (
     sample_count,
     write_index,
 )
+from ember.shards.reading import _samples, iter_shard
 from ember.shards.urls import UrlOptions, expand_urls, local_path
 from ember.shards.writer import ShardWriter, TarWriter, shard_path
 
@@ -667,7 +668,11 @@ def register(subparsers) -> None:
         q.set_defaults(func=_guarded(name, fn))
 
 
-if __name__ == "__main__":
-    from ember.cli import main
+if __name__ == "__main__":  # python -m ember.shards.cli ...: `ember shards ...` (the layer below
+    # the ember command cannot import it, docs/architecture.md)
+    import argparse
 
-    sys.exit(main(["shards", *sys.argv[1:]]))
+    _parser = argparse.ArgumentParser(prog="ember")
+    register(_parser.add_subparsers(dest="command", metavar="COMMAND"))
+    _args = _parser.parse_args(["shards", *sys.argv[1:]])
+    sys.exit(int(_args.func(_args) or 0))

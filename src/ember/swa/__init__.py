@@ -1,7 +1,12 @@
 """Weight averaging and weight-space posteriors: SWA, EMA, SWAG, MultiSWAG, calibration metrics.
 
-See ``docs/swa.md`` for the guide and the maturity of each feature.
+Averaging and ensemble objects any training loop can use (as ``torch.optim.swa_utils``); the
+procedures that run training (Multi-SWA, SWAP) are in :mod:`ember.train.recipes`. See
+``docs/swa.md`` for the guide and the maturity of each feature.
 """
+
+import warnings as _warnings
+from typing import Any as _Any
 
 from ember.swa.averaging import (
     EMA,
@@ -24,22 +29,14 @@ from ember.swa.metrics import (
     nll,
     predictive_entropy,
 )
-from ember.swa.multiswa import MultiSWA, train_multiswa
+from ember.swa.multiswa import MultiSWA
 from ember.swa.plots import reliability_diagram
 from ember.swa.quantize import BlockQuantizer, block_quantize
 from ember.swa.schedules import CyclicSWALR, cyclic_lr, is_cycle_end
 from ember.swa.subspace import Subspace, elliptical_slice_sampling, fit_vi, subspace_average
 from ember.swa.swag import SWAG, MultiSWAG, bayesian_average
 from ember.swa.swalp import LowPrecisionOptimizer, quantize_activations_
-from ember.swa.swap import (
-    SWAPResult,
-    average_bn_stats_,
-    refine_and_average,
-    refine_locally,
-    swap_average_,
-    swap_fit,
-    swap_world_size,
-)
+from ember.swa.swap import average_bn_stats_, swap_average_, swap_world_size
 
 __all__ = [
     "EMA",
@@ -54,7 +51,6 @@ __all__ = [
     "CyclicSWALR",
     "MultiSWA",
     "MultiSWAG",
-    "SWAPResult",
     "accuracy",
     "average_bn_stats_",
     "bayesian_average",
@@ -75,13 +71,24 @@ __all__ = [
     "nll",
     "predictive_entropy",
     "quantize_activations_",
-    "refine_and_average",
-    "refine_locally",
     "reliability_diagram",
     "subspace_average",
     "swap_average_",
-    "swap_fit",
     "swap_world_size",
-    "train_multiswa",
     "update_bn",
 ]
+
+# moved to ember.train.recipes (they run training); the old names warn until ember 0.2
+_MOVED = {"train_multiswa": "multiswa", "SWAPResult": "swap", "refine_and_average": "swap",
+          "refine_locally": "swap", "swap_fit": "swap"}
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _MOVED:
+        from ember.train import recipes as _recipes  # deprecation shim, see _MOVED
+
+        _warnings.warn(f"ember.swa.{name} has moved to ember.train.recipes.{_MOVED[name]}.{name}; "
+                       "the old path will be removed in ember 0.2", DeprecationWarning,
+                       stacklevel=2)
+        return getattr(_recipes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,20 +1,23 @@
 """Multi-SWA (Wilson & Izmailov, 2020): an ensemble of independently trained SWA solutions,
-predicting the average of the members' class probabilities."""
+predicting the average of the members' class probabilities.
+
+This module owns the ensemble (:class:`MultiSWA`); training its members is
+:func:`ember.train.recipes.train_multiswa`.
+"""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+import warnings
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ember.swa._batches import strip_compile_prefix
-from ember.swa.bn import has_running_stats, update_bn
+from ember.swa.bn import update_bn
 
-__all__ = ["MultiSWA", "train_multiswa"]
+__all__ = ["MultiSWA"]
 
 
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
@@ -89,39 +92,12 @@ class MultiSWA:
             m.load_state_dict(s)
 
 
-def train_multiswa(make_model: Callable[[], nn.Module],
-                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-                   make_loader: Callable[[int], Iterable[Any]], config: Any,
-                   seeds: Sequence[int], *, bn_loader: Iterable[Any] | None = None,
-                   **fit_kwargs: Any) -> MultiSWA:
-    """Train one SWA member per seed with :func:`ember.train.fit` and return the ensemble.
+def __getattr__(name: str) -> Any:
+    if name == "train_multiswa":
+        from ember.train.recipes import multiswa as _recipes_multiswa  # deprecation shim
 
-    For each seed: ``torch.manual_seed(seed)``, then ``make_model()`` (initial weights),
-    ``make_optimizer(model)`` and ``make_loader(seed)`` (the data order), and ``fit`` with
-    ``config`` (a ``TrainConfig`` with ``swa_start`` set; its ``seed`` is replaced by the member's
-    seed). The member is the SWA model, BatchNorm recomputed on ``bn_loader`` when it has such
-    layers (required then).
-    """
-    from ember.train import fit
-
-    if getattr(config, "swa_start", None) is None:
-        raise ValueError("config.swa_start is None: Multi-SWA members need an SWA phase")
-    seeds = list(seeds)
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds must be a non-empty list of distinct integers, got {seeds}")
-    members = []
-    for seed in seeds:
-        torch.manual_seed(seed)
-        model = make_model()
-        if has_running_stats(model) and bn_loader is None:
-            raise ValueError("the model has BatchNorm layers: pass bn_loader (training data)")
-        result = fit(model, make_optimizer(model), make_loader(seed), replace(config, seed=seed),
-                     bn_loader=bn_loader, **fit_kwargs)
-        if result.swa is None:
-            raise RuntimeError(f"fit returned no SWA model for seed {seed} (is swa_start < "
-                               f"epochs?)")
-        member = copy.deepcopy(result.swa.module)
-        if bn_loader is not None:
-            update_bn(bn_loader, member)
-        members.append(member)
-    return MultiSWA(members)
+        warnings.warn("ember.swa.multiswa.train_multiswa has moved to "
+                      "ember.train.recipes.multiswa.train_multiswa; the old path will be removed "
+                      "in ember 0.2", DeprecationWarning, stacklevel=2)
+        return _recipes_multiswa.train_multiswa
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,8 @@
 :func:`fit` trains on ``(inputs, targets)`` batches (typically from :func:`image_class_loader`,
 streaming ember.shards) with fp32/bf16/fp16 precision, gradient accumulation and clipping, SWA and
 SWAG collection, DP-SGD through Opacus on ember.csprng (``privacy=``), exact checkpoint/resume and
-DistributedDataParallel under torchrun. See docs/train.md.
+DistributedDataParallel under torchrun; the Multi-SWA and SWAP procedures built on it are in
+:mod:`ember.train.recipes`. See docs/train.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _EXPORTS = {
     "GaussianGradientNoise": "noise",
     "PRECISIONS": "precision", "Precision": "precision",
     "PrivacyConfig": "privacy",
+    "SWAPResult": "recipes", "refine_and_average": "recipes", "refine_locally": "recipes",
+    "swap_fit": "recipes", "train_multiswa": "recipes",
 }
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "GaussianGradientNoise",
     "Precision",
     "PrivacyConfig",
+    "SWAPResult",
     "TrainConfig",
     "TrainResult",
     "check_shards",
@@ -40,7 +44,11 @@ __all__ = [
     "load_checkpoint",
     "peek_image_shape",
     "predict",
+    "refine_and_average",
+    "refine_locally",
     "save_checkpoint",
+    "swap_fit",
+    "train_multiswa",
     "weights_digest",
 ]
 
@@ -52,6 +60,13 @@ if TYPE_CHECKING:
     from ember.train.noise import GaussianGradientNoise
     from ember.train.precision import PRECISIONS, Precision
     from ember.train.privacy import PrivacyConfig
+    from ember.train.recipes import (
+        SWAPResult,
+        refine_and_average,
+        refine_locally,
+        swap_fit,
+        train_multiswa,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -320,11 +320,11 @@ def _swap_phases(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
                  loss_fn: object, test: object, world: object) -> dict:
     """SWAP's phases 2 and 3 after fit's DDP phase: each rank refines alone over all the data
     in its own shuffle, then the weights are averaged and BatchNorm recomputed."""
-    from ember.swa.swap import refine_and_average
     from ember.train.checkpoint import weights_digest
     from ember.train.data import image_class_loader
     from ember.train.distributed import all_gather_objects
     from ember.train.loop import evaluate
+    from ember.train.recipes.swap import refine_and_average
 
     batch = args.swap_batch_size or max(1, args.batch_size // 4)
     small = image_class_loader(args.data, batch, seed=max(args.seed, 0) + 1 + world.rank,

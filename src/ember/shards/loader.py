@@ -1,0 +1,309 @@
+"""ShardLoader: a DataLoader wrapper over a ShardDataset that tracks what the training loop
+consumed (items handed out per reading stream, error counts, the loader-level stages' buffers), so
+that ``state_dict()`` is exact with several workers; items travel from the workers in groups,
+their large bytes values through shared memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader
+
+from ember.shards import stages
+from ember.shards.rebatch import LoaderStages
+from ember.shards.resume import STATE_VERSION, _EpochCell
+from ember.shards.transfer import TransferArena
+
+if TYPE_CHECKING:
+    from ember.shards.dataset import ShardDataset
+
+__all__ = ["DEFAULT_TRANSFER_GROUP", "DEFAULT_TRANSFER_MEMORY", "ShardLoader"]
+
+DEFAULT_TRANSFER_GROUP = 128  # items per worker-to-main-process transfer in ShardLoader
+DEFAULT_TRANSFER_MEMORY = 16 << 20  # bytes per shared-memory transfer slot in ShardLoader
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class ShardLoader:
+    """A torch DataLoader over a ShardDataset that knows exactly what the loop has consumed.
+
+    Batch with ``dataset.batched(n)``: this loader passes ``batch_size=None`` to DataLoader.
+    ``state_dict()`` taken after receiving an item resumes at the next item, with any number of
+    workers; iterating to the end advances the epoch.
+
+    With workers, each worker sends its items to the main process in groups of up to
+    ``transfer_group`` (one inter-process transfer per group instead of per item), and the loader
+    hands them out one at a time. The default (None) is 128 samples per group, or 1 when the
+    pipeline is ``batched`` (a batch already amortises the transfer); 1 sends every item alone.
+    DataLoader takes groups from the workers in turn, so the items of the streams interleave
+    group by group. ``state_dict()`` counts the items handed out, not the items received, and
+    records the group size, so resuming continues that same order exactly.
+
+    Where workers are forked, the large ``bytes`` values of a group (4 KiB and up, in dict,
+    tuple and list items) go through shared memory instead of the workers' result pipes:
+    ``transfer_memory`` bytes per slot, ``prefetch_factor + 1`` slots per worker, touched only as
+    far as groups fill them (see :mod:`ember.shards.transfer`). ``transfer_memory=0`` sends
+    everything through DataLoader's result queue.
+    """
+
+    def __init__(self, dataset: ShardDataset, *, num_workers: int = 0,
+                 transfer_group: int | None = None,
+                 transfer_memory: int = DEFAULT_TRANSFER_MEMORY, batch_size: int | None = None,
+                 collate_fn: Callable | None = None, drop_last: bool = False, **kwargs: Any):
+        for bad in ("sampler", "batch_sampler", "shuffle"):
+            if kwargs.get(bad) not in (None, False):
+                raise ValueError(f"ShardLoader does not take {bad}=; use dataset.shuffle(n) or "
+                                 "loader.shuffle(n)")
+            kwargs.pop(bad, None)
+        self.persistent_workers = bool(kwargs.pop("persistent_workers", False))
+        if self.persistent_workers and int(num_workers) < 1:
+            raise ValueError("persistent_workers=True needs num_workers >= 1")
+        self._kept: tuple | None = None  # persistent workers: (DataLoader, dataset copy, group)
+        if batch_size is not None:
+            # as DataLoader's batch_size: batches made in the workers, collated by collate_fn
+            if int(batch_size) < 1:
+                raise ValueError(f"expected batch_size >= 1, got {batch_size!r}")
+            dataset = dataset.batched(int(batch_size), collation_fn=collate_fn or
+                                      stages.default_collate, partial=not drop_last)
+        elif collate_fn is not None:
+            # as DataLoader with batch_size=None: applied to every item, in the workers
+            dataset = dataset.map(collate_fn)
+        elif drop_last:
+            raise ValueError("drop_last=True needs batch_size= (or dataset.batched(n, "
+                             "partial=False))")
+        if transfer_group is not None and int(transfer_group) < 1:
+            raise ValueError(f"expected transfer_group >= 1, got {transfer_group!r}")
+        if int(transfer_memory) < 0:
+            raise ValueError(f"expected transfer_memory >= 0 bytes, got {transfer_memory!r}")
+        self.transfer_memory = int(transfer_memory)
+        self.dataset = dataset
+        self.num_workers = int(num_workers)
+        if self.num_workers == 0:
+            self.transfer_group = 1  # nothing to transfer
+        elif transfer_group is not None:
+            self.transfer_group = int(transfer_group)
+        elif any(kind == "batched" for kind, _ in dataset.stages):
+            self.transfer_group = 1
+        else:
+            self.transfer_group = DEFAULT_TRANSFER_GROUP
+        self.kwargs = kwargs
+        self.epoch = dataset.epoch
+        self._streams = max(1, self.num_workers)
+        self._consumed = [0] * self._streams
+        self._errors = [0] * self._streams
+        self._next = 0
+        self._group = self.transfer_group
+        self._resume: dict | None = None
+        self._stages: list[tuple[str, tuple]] = []  # loader-level stages
+        self._running = None  # this epoch's LoaderStages
+        self._drained = False  # the loader-level stages are emptying after the workers ended
+        self.length: int | None = None
+
+    # ---- loader-level stages (main process, over all workers' items) -----------------------
+
+    def _with(self, kind: str, *args) -> ShardLoader:
+        out = copy.copy(self)
+        out._stages = self._stages + [(kind, args)]
+        out.length = None
+        out._kept = None  # a loader of its own: its own persistent workers
+        return out
+
+    def unbatched(self) -> ShardLoader:
+        """Split every item (a batch from the workers) into its samples."""
+        return self._with("unbatched")
+
+    def shuffle(self, bufsize: int) -> ShardLoader:
+        """Shuffle items across workers through a buffer of ``bufsize`` (reproducible per seed
+        and epoch; the buffer is part of state_dict())."""
+        if int(bufsize) < 1:
+            raise ValueError(f"expected bufsize >= 1, got {bufsize!r}")
+        return self._with("shuffle", int(bufsize))
+
+    def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
+                partial: bool = True) -> ShardLoader:
+        """Group items into batches of ``batchsize`` in the main process (across workers)."""
+        if int(batchsize) < 1:
+            raise ValueError(f"expected batchsize >= 1, got {batchsize!r}")
+        return self._with("batched", int(batchsize), collation_fn, partial)
+
+    def with_length(self, n: int) -> ShardLoader:
+        """Declare how many items an epoch of this loader yields: ``len()`` returns it."""
+        if int(n) < 0:
+            raise ValueError(f"expected a length >= 0, got {n!r}")
+        out = copy.copy(self)
+        out.length = int(n)
+        out._kept = None
+        return out
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (from its start); epochs also advance by
+        themselves when an iteration reaches the end."""
+        if int(epoch) < 0:
+            raise ValueError(f"expected an epoch >= 0, got {epoch!r}")
+        self.epoch = int(epoch)
+        self._resume = None
+
+    @property
+    def error_count(self) -> int:
+        """Shards/samples skipped by on_error in the current epoch, over all workers."""
+        return sum(self._errors)
+
+    def state_dict(self) -> dict:
+        """Epoch, seed, items consumed per reading stream, the stream that delivers next and the
+        transfer group size: enough to resume exactly. With loader-level stages, also their
+        state, including the items in their buffers (the state grows with the buffer)."""
+        state = {"version": STATE_VERSION, "epoch": self.epoch, "seed": self.dataset.seed,
+                 "num_workers": self._streams, "consumed": list(self._consumed),
+                 "next": self._next, "num_shards": len(self.dataset.urls),
+                 "transfer_group": self._group, "errors": list(self._errors)}
+        if self._stages:
+            state["loader_stages"] = self._running.state() if self._running is not None else None
+            state["loader_drained"] = self._drained
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state`` on the next iteration (the rest of that epoch uses the state's
+        transfer group size, so the order is the uninterrupted run's)."""
+        if int(state["num_workers"]) != self._streams:
+            raise ValueError(f"state was saved with {state['num_workers']} workers, this loader "
+                             f"has {self._streams}")
+        if bool(self._stages) != ("loader_stages" in state):
+            raise ValueError("state and loader differ in having loader-level stages")
+        probe = copy.copy(self.dataset)
+        probe.load_state_dict(state)  # validates
+        self.epoch = int(state["epoch"])
+        self._resume = dict(state)
+        self._errors = list(probe._resume["errors"])  # error_count continues from the state
+        self._kept = None  # persistent workers hold the old position: start new ones
+
+    def _arena(self) -> TransferArena | None:
+        """Shared memory for this epoch's groups, where workers are forked and it is wanted."""
+        if (not self.num_workers or not self.transfer_memory or self.transfer_group == 1
+                or self.persistent_workers):
+            return None  # (an arena lives for one epoch's workers)
+        context = self.kwargs.get("multiprocessing_context")
+        method = context.get_start_method() if hasattr(context, "get_start_method") else context
+        if not TransferArena.supported(method):
+            return None
+        slots = (self.kwargs.get("prefetch_factor") or 2) + 1
+        return TransferArena(self._streams, slots, self.transfer_memory)
+
+    def __len__(self) -> int:
+        if self.length is not None:
+            return self.length
+        if self._stages:
+            raise TypeError("loader-level stages change the number of items: declare it with "
+                            "loader.with_length(n)")
+        if self.dataset.length is not None:
+            return self.dataset.length
+        if self.dataset.epoch_length is not None:
+            return self.dataset.epoch_length * self._streams
+        raise TypeError("ShardLoader has no length: declare it with dataset.with_length(n) (the "
+                        "items an epoch yields on this rank) or fix it with dataset.with_epoch(n) "
+                        "(n items per worker, so len() is n x num_workers)")
+
+    def __iter__(self) -> Iterator:
+        if not self._stages:
+            yield from self._upstream()
+            return
+        resume = self._resume
+        loader_state = resume.get("loader_stages") if resume is not None else None
+        drained = bool(resume.get("loader_drained")) if resume is not None else False
+        epoch = self.epoch
+        if drained:  # the workers had finished: only the buffers are left of that epoch
+            self._resume = None
+            upstream: Iterator = iter(())
+            epoch -= 1
+        else:
+            upstream = self._upstream()
+        self._running = running = LoaderStages(self._stages, self.dataset.seed, epoch)
+        if loader_state is not None:
+            running.load(loader_state)
+        self._drained = drained
+
+        def feed() -> Iterator:
+            yield from upstream
+            self._drained = True  # what follows comes from the buffers only
+
+        try:
+            yield from running.run(feed())
+        finally:
+            close = getattr(upstream, "close", None)
+            if close is not None:
+                close()
+        self._running = None
+        self._drained = False
+
+    def _upstream(self) -> Iterator:
+        self.dataset._check_streams(self.dataset._rank_world()[1], self._streams)
+        group = self.transfer_group
+        if self._kept is not None and self._resume is None and self._kept[2] == group:
+            # persistent workers: the next epoch (or this one again after a break)
+            self._consumed, self._next, self._group = [0] * self._streams, 0, group
+            self._errors = [0] * self._streams
+            yield from self._read(*self._kept[:2])
+            return
+        ds = copy.copy(self.dataset)
+        ds._fixed_epoch = self.epoch
+        ds._tagged = True
+        if self.dataset.equalize is not None:
+            ds.ensure_shard_sizes()
+            self.dataset.shard_sizes = ds.shard_sizes
+        if self._resume is not None:
+            ds.load_state_dict(self._resume)
+            consumed = list(self._resume["consumed"])
+            errors = [int(e) for e in self._resume.get("errors", [0] * self._streams)]
+            first = int(self._resume["next"])
+            if self.num_workers:  # states without the key are from per-item transfer
+                group = int(self._resume.get("transfer_group", 1))
+            self._resume = None
+        else:
+            consumed, first, errors = [0] * self._streams, 0, [0] * self._streams
+        ds._group = group
+        self._consumed, self._next, self._group = consumed, first, group
+        self._errors = errors
+        ds._arena = self._arena()
+        # the groups travel as they are (DataLoader's default_convert would turn the items'
+        # tuples into lists); collate_fn= was applied in the workers' pipeline
+        if self.persistent_workers:
+            # the workers keep their dataset copy: its epoch comes through its own epoch cell
+            ds._fixed_epoch = None
+            ds._cell = _EpochCell()
+            ds._live = None
+        loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers,
+                            collate_fn=_as_is, persistent_workers=self.persistent_workers,
+                            **self.kwargs)
+        self._kept = (loader, ds, group) if self.persistent_workers else None
+        yield from self._read(loader, ds)
+
+    def _read(self, loader: DataLoader, ds: ShardDataset) -> Iterator:
+        """One epoch of ``loader``'s groups, handed out item by item and counted."""
+        if self.persistent_workers:
+            ds.set_epoch(self.epoch)  # through the copy's epoch cell, into the workers
+        consumed = self._consumed
+        arena = ds._arena
+        n = self._streams
+        try:
+            for stream, errors, group in loader:
+                items = arena.unpack(stream, group) if arena is not None else group
+                last = len(group) - 1
+                after = (stream + 1) % n
+                for i, item in enumerate(items):
+                    # count what the loop is handed, not what arrived: until the group's last
+                    # item is handed out, this stream still delivers next
+                    consumed[stream] += 1
+                    self._errors[stream] = errors[i]
+                    self._next = stream if i < last else after
+                    yield item
+        finally:
+            if arena is not None:
+                arena.close()  # the workers' mappings go with them
+        self.epoch += 1
+        self._consumed, self._next = [0] * n, 0
+        self._group = self.transfer_group
