@@ -351,3 +351,16 @@ def test_fit_refuses_an_empty_loader_and_a_foreign_optimizer():
         fit(model, torch.optim.SGD(other.parameters(), lr=0.1), batches,
             TrainConfig(epochs=1, progress=False))
 
+
+
+def test_demo_help_shows_a_plain_percent_and_unwritable_out_is_one_line(tmp_path):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    helptext = " ".join(ember("demo", "--help").stdout.split())
+    assert "(40% of the training labels wrong)" in helptext and "%%" not in helptext
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    proc = ember("demo", "--out", str(blocker / "out"), "--quick", "--no-progress")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("ember demo: error: --out") and "cannot write" in proc.stderr
+    assert blocker.read_text() == "x"
