@@ -364,3 +364,19 @@ def test_demo_help_shows_a_plain_percent_and_unwritable_out_is_one_line(tmp_path
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("ember demo: error: --out") and "cannot write" in proc.stderr
     assert blocker.read_text() == "x"
+
+
+def test_bad_data_read_by_worker_processes_is_one_line_too(tmp_path):
+    """A DataLoader worker's exception comes back with its traceback in the message; the
+    command still prints only the error itself."""
+    good = write_with_webdataset(tmp_path / "a")
+    bad = write_with_webdataset(tmp_path / "b", "text-image")
+    data = tmp_path / "data"
+    data.mkdir()
+    good.rename(data / "train-000000.tar")
+    bad.rename(data / "train-000001.tar")
+    line = one_error_line(ember("train", "--data", str(data / "train-{000000..000001}.tar"),
+                                "--num-classes", "2", "--epochs", "1", "--workers", "2",
+                                "--out", str(tmp_path / "run"), "--no-progress"))
+    assert "train-000001.tar" in line and "'c2'" in line and "not an image" in line
+    assert "Traceback" not in line
