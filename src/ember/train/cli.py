@@ -247,7 +247,7 @@ def _main(args: argparse.Namespace) -> int:
             return _error(f"{exc.url}: ember train does not run pipe: commands; write the "
                           "shards to files (or serve them over http) first")
         hint = "" if args.skip_bad else " (--skip-bad skips bad shards and samples)"
-        return _error(f"bad training data: {_worker_cause(str(exc))}{hint}")
+        return _error(f"cannot read the data: {_worker_cause(str(exc))}{hint}")
     except OSError as exc:
         return _error(str(exc))
 
