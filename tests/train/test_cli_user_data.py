@@ -380,3 +380,18 @@ def test_bad_data_read_by_worker_processes_is_one_line_too(tmp_path):
                                 "--out", str(tmp_path / "run"), "--no-progress"))
     assert "train-000001.tar" in line and "'c2'" in line and "not an image" in line
     assert "Traceback" not in line
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("swa_start must be an epoch in [0, epochs=10), got 12",
+     "--swa-start must be an epoch in [0, --epochs=10), got 12"),
+    ("TrainConfig.swa_lr is set but swa_start is None", "--swa-lr is set but --swa-start is None"),
+    ("epochs must be an integer >= 1, got 0", "--epochs must be an integer >= 1, got 0"),
+    ("resume: no checkpoint at x", "--resume: no checkpoint at x"),
+    ("the number of epochs is 3", "the number of epochs is 3"),  # prose stays prose
+    ("noise_seed is for tests", "noise_seed is for tests"),  # not an option of the command
+])
+def test_config_errors_are_put_in_flag_terms(message, expected):
+    from ember.train.cli import _in_flag_terms
+
+    assert _in_flag_terms(message) == expected

@@ -203,15 +203,19 @@ _FLAGS = {
 
 def _in_flag_terms(message: str) -> str:
     """``message`` with the Python option names of ember.train replaced by the flags that set
-    them (names with an underscore anywhere, plain words only where written ``name=``)."""
+    them: names with an underscore anywhere; plain words (``epochs``) where written ``name=``,
+    or where they open the message (or a clause after ``: ``) as its subject."""
     def flag(m: re.Match) -> str:
-        name = m.group(1)
-        return _FLAGS[name] if "_" in name or m.group(2) else name
+        name, after = m.group(1), m.group(2)
+        start = m.start() == 0 or message[max(0, m.start() - 2):m.start()] == ": "
+        subject = start and re.match(r"(:|\s+(must|needs|is)\b)", message[m.end():]) is not None
+        if "_" in name or after.startswith("=") or subject:
+            return _FLAGS[name] + after
+        return name + after
 
-    names = "|".join(sorted(_FLAGS, key=len, reverse=True))
     message = re.sub(r"TrainConfig\.|PrivacyConfig\.", "", message)
-    return re.sub(rf"(?<![\w-])({names})\b(=|(?=\s*(?:must|needs|is)\b))?",
-                  lambda m: flag(m) + (m.group(2) or ""), message)
+    names = "|".join(sorted(_FLAGS, key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])({names})\b(=?)", lambda m: flag(m), message)
 
 
 def _one_line(text: str) -> str:
