@@ -1,10 +1,13 @@
-"""``ember train`` on a user's own data through the real ``ember`` entry point (issue 26): images
-of different sizes and modes train; bad data, bad options and an existing run end with one line
+"""``ember train`` on a user's own data through the ``ember`` entry point (issue 26): images of
+different sizes and modes train; bad data, bad options and an existing run end with one line
 ``ember train: error: ...`` and exit status 2, and nothing is overwritten. Shards are written by
-the ``webdataset`` package and by GNU tar."""
+the ``webdataset`` package and by GNU tar. The README's flow and one case of each kind run the
+command in a fresh process (``process=True``); the other cases call ``ember.cli.main`` in this
+process, the same code without the cost of importing torch again."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import http.server
@@ -42,13 +45,25 @@ def image_bytes(width: int, height: int, mode: str, fmt: str, seed: int = 0) -> 
     return buf.getvalue()
 
 
-def ember(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """The ``ember`` command in a fresh process, with this process's PYTHONPATH."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "ember.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=cwd)
+def ember(*args: str, process: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The ``ember`` command: ``ember.cli.main`` in this process (stdout and stderr captured,
+    argparse's exits turned into statuses), or with ``process`` the real entry point in a fresh
+    process with this process's PYTHONPATH (slower: it imports torch again)."""
+    if process:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env.pop("WORLD_SIZE", None)
+        env.pop("RANK", None)
+        return subprocess.run([sys.executable, "-m", "ember.cli", *args], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    from ember.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -131,11 +146,12 @@ def photo_folder(tmp_path) -> Path:
 
 def test_a_folder_of_mixed_sizes_trains_after_shards_create(photo_folder, tmp_path):
     done = ember("shards", "create", str(photo_folder), "-o", str(tmp_path / "sh" / "t-%03d.tar"),
-                 "-q")
+                 "-q", process=True)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "run"
     done = ember("train", "--data", str(tmp_path / "sh" / "t-000.tar"), "--epochs", "1",
-                 "--batch-size", "4", "--image-size", "8", "--out", str(out), "--no-progress")
+                 "--batch-size", "4", "--image-size", "8", "--out", str(out), "--no-progress",
+                 process=True)
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     # --num-classes and the class names came from the classes.json that create wrote
@@ -179,7 +195,8 @@ def test_bad_data_is_one_line_naming_shard_and_sample(writer, bad, words, tmp_pa
     before = digest(shard)
     out = tmp_path / "run"
     proc = ember("train", "--data", str(shard), "--num-classes", "2", "--epochs", "1",
-                 "--batch-size", "2", "--out", str(out), "--no-progress")
+                 "--batch-size", "2", "--out", str(out), "--no-progress",
+                 process=bad == "text-image")
     line = one_error_line(proc)
     assert str(shard) in line
     for word in words:
@@ -215,7 +232,8 @@ def test_http_404_is_one_line(tmp_path):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/missing-000000.tar"
         line = one_error_line(ember("train", "--data", url, "--num-classes", "2",
-                                    "--out", str(tmp_path / "run"), "--no-progress"))
+                                    "--out", str(tmp_path / "run"), "--no-progress",
+                                    process=True))
     finally:
         server.shutdown()
         server.server_close()
@@ -230,7 +248,7 @@ def test_an_existing_run_is_not_overwritten(tmp_path):
     assert ember(*base).returncode == 0
     before = snapshot(out)
     assert {"model.pt", "summary.json", "metrics.jsonl", "checkpoints/last.pt"} <= set(before)
-    line = one_error_line(ember(*base, "--seed", "7"))
+    line = one_error_line(ember(*base, "--seed", "7", process=True))
     assert "already holds a run" in line and "--force" in line and "--resume" in line
     assert snapshot(out) == before
     # --force replaces it: one run's records in metrics.jsonl, not two appended
@@ -308,7 +326,7 @@ def test_pipe_urls_are_refused_in_the_commands_terms(tmp_path):
 
 def test_progress_bar_has_a_total(good_shard, tmp_path):
     done = ember("train", "--data", str(good_shard), "--num-classes", "2", "--epochs", "1",
-                 "--batch-size", "2", "--out", str(tmp_path / "run"))
+                 "--batch-size", "2", "--out", str(tmp_path / "run"), process=True)
     assert done.returncode == 0, done.stderr
     assert "3/3" in done.stderr  # 6 samples in batches of 2: a total, so a percentage and ETA
 
@@ -330,7 +348,7 @@ def test_help_and_version_do_not_import_torch():
     assert done.stdout.strip() == "False"
     from ember import __version__
 
-    version = ember("--version")
+    version = ember("--version", process=True)
     assert version.returncode == 0
     assert version.stdout.startswith(f"ember {__version__} (torch ")
 
