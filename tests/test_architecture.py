@@ -1,6 +1,9 @@
 """ember's layers point one way (docs/architecture.md): csprng, shards and swa at the bottom, train
 above them, the CLI and the demo on top. No module imports a module of a higher layer, not even
-inside a function or through ``importlib.import_module("...")``."""
+inside a function, through ``importlib.import_module`` with a literal name (absolute or relative,
+under any alias), or through an attribute of the ``ember`` package (``ember.train``). The package's
+own ``__init__`` counts as the bottom layer. Names computed at run time cannot be checked here;
+ember uses them only for third-party codecs (shards.decode, shards.writer) and the CLI's commands."""
 
 from __future__ import annotations
 
@@ -33,11 +36,11 @@ def _module_name(root: Path, path: Path) -> str:
 
 
 def _layer(module: str) -> int | None:
-    """The layer of a module of the ember package; None for ``ember`` itself and outside it."""
+    """The layer of a module of the ember package (``ember`` itself: 0); None outside it."""
     parts = module.split(".")
-    if parts[0] != "ember" or len(parts) < 2:
+    if parts[0] != "ember":
         return None
-    return LAYERS.get(parts[1], -1)
+    return LAYERS.get(parts[1], -1) if len(parts) > 1 else 0
 
 
 class _Imports(ast.NodeVisitor):
@@ -45,11 +48,19 @@ class _Imports(ast.NodeVisitor):
 
     def __init__(self, module: str, is_package: bool):
         self.package = module if is_package else module.rpartition(".")[0]
-        self.found: list[tuple[str, int, str | None]] = []  # (module, line, function)
+        self.found: list[tuple[str, int, tuple[str, ...]]] = []  # (module, line, enclosing defs)
         self.function: list[str] = []
+        self.dynamic = set(_DYNAMIC)  # names under which import_module is called here
 
     def _add(self, target: str, node: ast.AST) -> None:
-        self.found.append((target, node.lineno, self.function[-1] if self.function else None))
+        self.found.append((target, node.lineno, tuple(self.function)))
+
+    def _absolute(self, name: str, level: int, package: str) -> str:
+        if not level:
+            return name
+        anchor = package.split(".")
+        anchor = anchor[:len(anchor) - (level - 1)]
+        return ".".join(anchor + ([name] if name else []))
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self.function.append(node.name)
@@ -58,25 +69,42 @@ class _Imports(ast.NodeVisitor):
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.function.append(node.name)
+        self.generic_visit(node)
+        self.function.pop()
+
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
             self._add(alias.name, node)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        base = node.module or ""
-        if node.level:
-            anchor = self.package.split(".")
-            anchor = anchor[:len(anchor) - (node.level - 1)]
-            base = ".".join(anchor + ([base] if base else []))
+        base = self._absolute(node.module or "", node.level, self.package)
+        if base == "importlib":
+            self.dynamic.update(a.asname or a.name for a in node.names if a.name in _DYNAMIC)
         for alias in node.names:  # `from ember import train` imports the module ember.train
             self._add(f"{base}.{alias.name}" if alias.name != "*" else base, node)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        # `import ember` followed by `ember.train.fit` reaches the higher layer all the same
+        if isinstance(node.value, ast.Name) and node.value.id == "ember":
+            self._add(f"ember.{node.attr}", node)
+        self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:
         f = node.func
         name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-        if (name in _DYNAMIC and node.args and isinstance(node.args[0], ast.Constant)
+        if (name in self.dynamic and node.args and isinstance(node.args[0], ast.Constant)
                 and isinstance(node.args[0].value, str)):
-            self._add(node.args[0].value, node)
+            target = node.args[0].value
+            if target.startswith("."):  # import_module(".train", "ember") or package="ember"
+                package = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
+                package += [k.value.value for k in node.keywords
+                            if k.arg == "package" and isinstance(k.value, ast.Constant)]
+                stripped = target.lstrip(".")
+                target = self._absolute(stripped, len(target) - len(stripped),
+                                        package[0] if package else self.package)
+            self._add(target, node)
         self.generic_visit(node)
 
 
@@ -91,13 +119,13 @@ def upward_imports(src: Path) -> list[str]:
             continue
         visitor = _Imports(module, path.name == "__init__.py")
         visitor.visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
-        for target, line, function in visitor.found:
+        for target, line, scope in visitor.found:
             there = _layer(target)
             if there is None or there <= here:
                 continue
-            if function == "__getattr__" and (module, target) in SHIMS:
+            if scope == ("__getattr__",) and (module, target) in SHIMS:  # the module's own only
                 continue
-            where = f"in {function}()" if function else "at module level"
+            where = f"in {'.'.join(scope)}()" if scope else "at module level"
             bad.append(f"{path.relative_to(root)}:{line}: {module} (layer {here}) imports "
                        f"{target} (layer {there}) {where}")
     return bad
@@ -131,6 +159,10 @@ def _write(root: Path, rel: str, text: str) -> None:
     "import importlib\n\ndef f():\n    return importlib.import_module('ember.train.loop')\n",
     "def f():\n    return __import__('ember.demo')\n",
     "def __getattr__(name):\n    from ember.train import recipes\n",  # a shim elsewhere
+    "import importlib\nimportlib.import_module('.train.loop', 'ember')\n",
+    "import importlib\nimportlib.import_module('..train', package='ember.swa')\n",
+    "from importlib import import_module as im\nim('ember.train.loop')\n",
+    "import ember\n\ndef f():\n    return ember.train\n",
 ])
 def test_an_upward_import_is_found(tmp_path, code):
     _write(tmp_path, "__init__.py", "")
@@ -138,6 +170,21 @@ def test_an_upward_import_is_found(tmp_path, code):
     _write(tmp_path, "swa/multiswa.py", code)
     found = upward_imports(tmp_path)
     assert len(found) == 1 and found[0].startswith("ember/swa/multiswa.py:"), found
+
+
+def test_a_shim_name_on_a_method_is_not_exempt(tmp_path):
+    _write(tmp_path, "__init__.py", "")
+    _write(tmp_path, "swa/__init__.py", "")
+    _write(tmp_path, "swa/swap.py",
+           "class C:\n    def __getattr__(self, name):\n        from ember.train.recipes import swap\n")
+    assert len(upward_imports(tmp_path)) == 1
+
+
+def test_the_package_init_counts_as_the_bottom_layer(tmp_path):
+    _write(tmp_path, "__init__.py", "import ember.train.recipes\n")
+    _write(tmp_path, "swa/__init__.py", "")
+    found = upward_imports(tmp_path)
+    assert len(found) == 1 and found[0].startswith("ember/__init__.py:"), found
 
 
 @pytest.mark.parametrize("code", [

@@ -18,23 +18,27 @@ import torch
 import ember.csprng as csprng
 
 N = 64  # elements per draw: two independent generators agree on all of them with negligible odds
+# Arguments are chosen so that every random decision of a call is taken: probabilities strictly
+# between 0 and 1, ranges of positive width, non-zero sparsity, Poisson rates on both sides of the
+# method switch at 10.
+POISSON_RATES = torch.logspace(-1, 6, N)
 
 
-def _value(arg, ints) -> object:
-    """A valid argument for the schema argument ``arg`` (None: leave it out)."""
+def _value(arg, ints, floats, op="") -> object:
+    """A valid argument for the schema argument ``arg`` of ``op`` (None: leave it out)."""
     t = str(arg.type)
     if arg.name == "generator":
         return None
     if arg.has_default_value():
         return None
     if t == "Tensor":
-        return torch.full((N,), 0.5)
+        return POISSON_RATES.clone() if "poisson" in op else torch.full((N,), 0.5)
     if t in ("int", "SymInt"):  # a size, a bound or a count; increasing, for (low, high)
         return next(ints)
     if t in ("List[int]", "List[SymInt]"):
         return [N]
-    if t in ("float", "Scalar"):
-        return 0.5
+    if t in ("float", "Scalar"):  # increasing, for (low, high) and (mean, std)
+        return next(floats)
     if t == "bool":
         return False
     raise LookupError(t)
@@ -47,9 +51,10 @@ def _schema_calls():
         if not any(a.name == "generator" for a in s.arguments):
             continue
         args, kwargs, ok, ints = [], {}, True, iter((10, 50, 60))
+        floats = iter((0.25, 0.75, 0.9))
         for a in s.arguments:
             try:
-                v = _value(a, ints)
+                v = _value(a, ints, floats, s.name)
             except LookupError:
                 ok = False
                 break
@@ -175,16 +180,37 @@ def test_python_level_functions_with_a_generator_are_found():
     assert "torch.nn.init.kaiming_uniform_" in PYTHON_FUNCTIONS
 
 
+# Tried in this order; the first that torch's own generator accepts is used. The ones with a second
+# argument come first so that it is given where a function takes one (sparse_'s sparsity 0.5, not
+# a default or 0); values are 0.5 rather than uninitialised memory (probabilities, means).
+PYTHON_ARGS = (
+    [torch.full((8, 8), 0.5), 0.5], [torch.full((8, 8), 0.5), 0.25, 1.0, -2.0, 2.0],
+    [torch.full((8, 8), 0.5), 0.25, 1.0], [torch.full((8, 8), 0.5)], [torch.full((N,), 0.5)],
+    [list(range(N)), [N // 2, N // 2]],
+)
+
+
+def _python_args(fn):
+    for args in PYTHON_ARGS:
+        if _works_with_torch(fn, args, {}):
+            return args
+    return None
+
+
+def test_python_functions_get_arguments_that_take_every_random_decision():
+    for name in ("torch.nn.init.sparse_", "torch.nn.init.sparse"):
+        if name in PYTHON_FUNCTIONS:
+            args = _python_args(PYTHON_FUNCTIONS[name])
+            assert args is not None and 0 < args[1] < 1, (name, args)
+
+
 @pytest.mark.parametrize("label", sorted(PYTHON_FUNCTIONS))
 def test_every_python_function_raises_or_gives_ember_values(label):
     fn = PYTHON_FUNCTIONS[label]
-    for args in ([torch.empty(8, 8)], [torch.empty(N)], [list(range(N)), [N // 2, N // 2]],
-                 [torch.empty(8, 8), 0.0, 1.0], [torch.empty(8, 8), 0.0, 1.0, -2.0, 2.0],
-                 [torch.empty(8, 8), 0.5]):
-        if _works_with_torch(fn, args, {}):
-            assert _check_ember_or_raise(label, fn, args, {}) in ("ember", "raised")
-            return
-    pytest.skip(f"{label}: no synthetic arguments fit")
+    args = _python_args(fn)
+    if args is None:
+        pytest.skip(f"{label}: no synthetic arguments fit")
+    assert _check_ember_or_raise(label, fn, args, {}) in ("ember", "raised")
 
 
 @pytest.mark.parametrize("call", [

@@ -319,20 +319,70 @@ def test_normal_float32_pairs_odd_lengths(n):
     assert g.counter == ref.counter
 
 
-@pytest.mark.parametrize("rate", [0.5, 4.0, 300.0])
-def test_poisson_inverts_the_cdf(rate):
+@pytest.mark.parametrize("rate", [0.5, 4.0, 9.5])
+def test_poisson_inverts_the_cdf_below_rate_10(rate):
     from scipy.special import gammaincc
 
     ref, g = Reference(34), csprng.create_generator(34)
     got = torch.poisson(torch.full((25,), rate, dtype=torch.float64), generator=g).tolist()
     want = []
-    for w in ref.words(25, 8):
+    for w in ref.words(50, 8)[::2]:  # two words per element; inversion uses the first
         u = (w & (2**53 - 1)) * 2.0**-53
         k = 0
         while not gammaincc(k + 1, rate) > u:
             k += 1
         want.append(float(k))
     assert got == want
+    assert g.counter == ref.counter
+
+
+def ptrs(rate: float, u: float, v: float):
+    """One PTRS trial (Hörmann 1993) as the document gives it: the count, or None if rejected."""
+    slam = math.sqrt(rate)
+    b = 0.931 + 2.53 * slam
+    a = -0.059 + 0.02483 * b
+    inv_alpha = 1.1239 + 1.1328 / (b - 3.4)
+    vr = 0.9277 - 3.6224 / (b - 2)
+    uc = u - 0.5
+    us = 0.5 - abs(uc)
+    if us == 0:
+        return None
+    k = math.floor((2 * a / us + b) * uc + rate + 0.43)
+    if us >= 0.07 and v <= vr:
+        return k
+    if k < 0 or (us < 0.013 and v > us):
+        return None
+    log_pmf = -rate + k * math.log(rate) - math.lgamma(k + 1)
+    lhs = (math.log(v) if v > 0 else -math.inf) + math.log(inv_alpha) - math.log(a / (us * us) + b)
+    return k if lhs <= log_pmf else None
+
+
+@pytest.mark.parametrize("rate", [10.0, 300.0, 12345.6])
+def test_poisson_ptrs_with_refills_from_the_reject_stream(rate):
+    import hmac
+
+    seed, n = 35, 400
+    g = csprng.create_generator(seed)
+    got = torch.poisson(torch.full((n,), rate, dtype=torch.float64), generator=g).tolist()
+    ref = Reference(seed)
+
+    def u53(w):
+        return (w & (2**53 - 1)) * 2.0**-53
+
+    words = ref.words(2 * n, 8)
+    values = [ptrs(rate, u53(words[2 * i]), u53(words[2 * i + 1])) for i in range(n)]
+    pending = [i for i, v in enumerate(values) if v is None]
+    assert pending  # PTRS rejects about one trial in ten at these rates
+    key = hmac.new(key_of(seed), b"ember.csprng/v1/reject\x00" + (0).to_bytes(16, "little"),
+                   hashlib.sha256).digest()[:16]
+    refill = Reference(0)
+    refill.ecb = AES.new(key, AES.MODE_ECB)
+    while pending:
+        w = refill.words(2 * len(pending), 8)
+        for j, i in enumerate(pending):
+            values[i] = ptrs(rate, u53(w[2 * j]), u53(w[2 * j + 1]))
+        pending = [i for i in pending if values[i] is None]
+    assert got == [float(v) for v in values]
     assert g.counter == ref.counter
 
 

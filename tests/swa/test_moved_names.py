@@ -49,3 +49,11 @@ def test_importing_ember_swa_does_not_import_ember_train():
             "print(sorted(m for m in sys.modules if m.startswith('ember.train')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("old", ["ember.swa", "ember.swa.swap", "ember.swa.multiswa"])
+def test_moved_names_stay_listed_by_dir_without_a_warning(old, recwarn):
+    module = importlib.import_module(old)
+    names = {name for o, name, _ in MOVED if o == old}
+    assert names <= set(dir(module))
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]

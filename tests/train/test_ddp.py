@@ -82,3 +82,22 @@ def test_two_process_ddp_killed_and_resumed_is_bit_identical(digits_shards, tmp_
     assert a["steps"] > 9
     assert len(set(a["digests"])) == 1
     assert a == b
+
+
+def test_two_process_dp_sgd_under_torchrun(digits_shards, tmp_path):
+    out = tmp_path / "out"
+    args = ["-m", "ember.cli", "train", "--data", digits_shards["train"], "--num-classes", "10",
+            "--grayscale", "--epochs", "2", "--batch-size", "16", "--swag-rank", "0",
+            "--dp-epsilon", "8", "--dp-delta", "1e-5", "--max-grad-norm", "1",
+            "--out", str(out), "--no-progress"]
+    proc = _torchrun(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["ranks_in_sync"]
+    report = summary["privacy"]
+    # every rank samples its half of all the examples; 16 per process: 32 a step in expectation
+    assert report["world_size"] == 2 and report["dataset_size"] == digits_shards["n_train"]
+    assert report["expected_batch_size"] == pytest.approx(32, rel=0.05)
+    assert report["steps"] == 2 * round(1 / report["sample_rate"])
+    assert 0 < report["epsilon"] <= 8
+    assert "epoch 2/2: epsilon" in proc.stdout

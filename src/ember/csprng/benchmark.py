@@ -6,6 +6,7 @@ in one process, interleaving the two so that drifts in machine speed hit both al
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ GOALS = {("rand float32", 64): 6.0, ("rand float32", 1): 4.0, ("randn float32", 
          ("rand float32 fresh", 64): 4.0, ("randn float32 fresh", 64): 2.0,
          ("randint int64 fresh", 64): 2.0}
 KEYSTREAM_SHARE_GOAL = 0.70  # uniform float32 at 64 MiB against the two-thread keystream rate
+REPS = 5  # interleaved repetitions per row (the median and spread of these are reported)
 
 
 def _goal(case: str, mib: int | None) -> float | None:
@@ -37,24 +39,62 @@ def _best(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def _pair(make: Callable[[torch.Generator], Callable[[], object]], repeat: int) -> tuple[float, float]:
-    """Best seconds per call for ember and for torch's generator, rounds alternating between them.
+def load_average() -> float | None:
+    """The machine's 1-minute load average where the OS reports one (not on Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
-    Each timed call follows an untimed call of the same side. torch's CPU kernels leave their
-    OpenMP threads spinning for a while after a parallel region (libgomp's default wait policy),
-    and on a 2-vCPU machine that slows whatever runs next by up to 2x (measured: an ember rand of
-    1 MiB took 381 us right after torch's, 211 us right after ember's own). Timing each side after
-    itself measures both in their steady state, as in a loop that draws repeatedly.
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int = REPS, inner: int = 1
+                ) -> dict[str, list[float]]:
+    """Seconds per call of each function, one figure per repetition: in every repetition each
+    function in turn runs once untimed and then ``inner`` timed calls, of which the best counts.
+
+    The untimed call first: torch's CPU kernels leave their OpenMP threads spinning for a while
+    after a parallel region (libgomp's default wait policy), and on a 2-vCPU machine that slowed
+    whatever ran next by up to 2x (an ember rand of 1 MiB took 381 us right after torch's, 211 us
+    right after ember's own). Each side is timed after itself, as in a loop that draws repeatedly,
+    and the sides alternate within every repetition, so a drift of the machine's speed hits all.
     """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            fn()
+            times[name].append(_best(fn, inner))
+    return times
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=float)
+    q1, med, q3 = np.percentile(a, [25, 50, 75])
+    return {"median": float(med), "min": float(a.min()), "max": float(a.max()),
+            "q1": float(q1), "q3": float(q3)}
+
+
+def pair_row(case: str, nbytes: int, make: Callable[[torch.Generator], Callable[[], object]],
+             reps: int = REPS, inner: int = 1, goal: float | None = None,
+             extra: dict[str, Callable[[], object]] | None = None) -> dict:
+    """One row: ember against torch's generator on the same call, ``reps`` interleaved
+    repetitions; the ratio is the median of the per-repetition ratios, with their min-max and
+    interquartile range, and the load average before and after."""
     ember, plain = create_generator(0), torch.Generator().manual_seed(0)
-    fe, ft = make(ember), make(plain)
-    te = tt = float("inf")
-    for _ in range(repeat):
-        fe()
-        te = min(te, _best(fe, 1))
-        ft()
-        tt = min(tt, _best(ft, 1))
-    return te, tt
+    fns = {"ember": make(ember), "torch": make(plain), **(extra or {})}
+    load_before = load_average()
+    t = interleaved(fns, reps, inner)
+    ratios = [b / a for a, b in zip(t["ember"], t["torch"], strict=True)]
+    r = _spread(ratios)
+    row = {"case": case, "size_mib": nbytes // MiB, "reps": reps,
+           "ember_gbps": nbytes / float(np.median(t["ember"])) / 1e9,
+           "torch_gbps": nbytes / float(np.median(t["torch"])) / 1e9,
+           "ratio": r["median"], "ratio_min": r["min"], "ratio_max": r["max"],
+           "ratio_q1": r["q1"], "ratio_q3": r["q3"], "goal": goal,
+           "load_before": load_before, "load_after": load_average(),
+           "ember_s": t["ember"], "torch_s": t["torch"]}
+    for name in extra or {}:
+        row[f"{name}_s"] = t[name]
+    return row
 
 
 def keystream_gbps(nbytes: int = 64 * MiB, repeat: int = 5) -> float:
@@ -65,28 +105,35 @@ def keystream_gbps(nbytes: int = 64 * MiB, repeat: int = 5) -> float:
     return nbytes / _best(lambda: aes.keystream(bytes(16), 0).fill(mv), repeat) / 1e9
 
 
-def keystream2_gbps(nbytes: int = 64 * MiB, repeat: int = 5, threads: int = 2) -> float:
-    """Raw keystream on ``threads`` threads, each filling its own part of one buffer (4 MiB
-    pieces taken in turn, as ember's draws share their chunks)."""
+def keystream2_call(nbytes: int = 64 * MiB, threads: int = 2) -> Callable[[], None]:
+    """A call that makes ``nbytes`` of raw keystream on ``threads`` threads, each filling its own
+    part of one buffer (4 MiB pieces taken in turn, as ember's draws share their chunks)."""
     from concurrent.futures import ThreadPoolExecutor
 
     buf = np.empty(nbytes, np.uint8)
+    buf.fill(0)  # fault the pages in now, not in the first timed call
     mv = memoryview(buf)
     aes = get_cipher("aes128")
     piece = 4 * MiB
     starts = list(range(0, nbytes, piece))
+    pool = ThreadPoolExecutor(threads - 1)
 
     def part(k: int) -> None:
         for a in starts[k::threads]:
             aes.keystream(bytes(16), a // 16).fill(mv[a: a + piece])
 
-    with ThreadPoolExecutor(threads - 1) as pool:
-        def both() -> None:
-            futures = [pool.submit(part, k) for k in range(1, threads)]
-            part(0)
-            for f in futures:
-                f.result()
-        return nbytes / _best(both, repeat) / 1e9
+    def both() -> None:
+        futures = [pool.submit(part, k) for k in range(1, threads)]
+        part(0)
+        for f in futures:
+            f.result()
+
+    return both
+
+
+def keystream2_gbps(nbytes: int = 64 * MiB, repeat: int = 5, threads: int = 2) -> float:
+    """Raw keystream on ``threads`` threads (see :func:`keystream2_call`), best of ``repeat``."""
+    return nbytes / _best(keystream2_call(nbytes, threads), repeat) / 1e9
 
 
 def _fresh_cases(nbytes: int):
@@ -98,23 +145,11 @@ def _fresh_cases(nbytes: int):
     ]
 
 
-def run_fresh(mib: int = 64, repeat: int = 7) -> list[dict]:
+def run_fresh(mib: int = 64, repeat: int = REPS) -> list[dict]:
     """What users call: fresh outputs (``torch.rand(n, generator=g)``), which both sides pay for
-    faulting in new pages. Median seconds of interleaved calls, ember then torch in each round."""
-    ember, plain = create_generator(0), torch.Generator().manual_seed(0)
-    rows = []
-    for name, make in _fresh_cases(mib * MiB):
-        fe, ft = make(ember), make(plain)
-        te, tt = [], []
-        for _ in range(repeat):
-            for fn, times in ((fe, te), (ft, tt)):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        me, mt = float(np.median(te)), float(np.median(tt))
-        rows.append({"case": name, "size_mib": mib, "ember_gbps": mib * MiB / me / 1e9,
-                     "torch_gbps": mib * MiB / mt / 1e9, "ratio": mt / me, "goal": _goal(name, mib)})
-    return rows
+    faulting in new pages; ``repeat`` interleaved repetitions of one call each."""
+    return [pair_row(name, mib * MiB, make, max(repeat, REPS), 1, _goal(name, mib))
+            for name, make in _fresh_cases(mib * MiB)]
 
 
 def _cases(nbytes: int) -> list[tuple[str, int, Callable[[torch.Generator], Callable[[], object]]]]:
@@ -133,42 +168,44 @@ def _cases(nbytes: int) -> list[tuple[str, int, Callable[[torch.Generator], Call
 
 
 def run(quick: bool = False, sizes_mib: tuple[int, ...] | None = None,
-        fresh: bool = False) -> list[dict]:
-    """Rows of ember vs torch throughput (GB/s of output, ratio) and the keystream ceilings
-    (one thread, and two threads: the rate uniform float32 is compared with). With ``fresh``,
-    also the fresh-output rows of :func:`run_fresh`."""
+        fresh: bool = False, reps: int = REPS) -> list[dict]:
+    """Rows of ember vs torch throughput (GB/s of output; ratio median and spread over ``reps``
+    interleaved repetitions; load average), and the keystream ceilings (one thread, and two
+    threads: the rate uniform float32 is compared with, in the same repetitions). With
+    ``fresh``, also the fresh-output rows of :func:`run_fresh`."""
+    reps = max(reps, REPS)
     sizes = sizes_mib or ((1, 16) if quick else (1, 64))
-    repeat = 3 if quick else 7
     rows: list[dict] = []
     kmib = 16 if quick else 64
-    ceiling = keystream_gbps(kmib * MiB, repeat)
-    rows.append({"case": "AES-128-CTR keystream", "size_mib": kmib,
-                 "ember_gbps": ceiling, "torch_gbps": None, "ratio": None, "goal": None})
-    ceiling2 = keystream2_gbps(kmib * MiB, repeat)
-    rows.append({"case": "keystream, 2 threads", "size_mib": kmib,
-                 "ember_gbps": ceiling2, "torch_gbps": None, "ratio": None, "goal": None})
+    load = load_average()
+    ceiling = keystream_gbps(kmib * MiB, reps)
+    rows.append({"case": "AES-128-CTR keystream", "size_mib": kmib, "reps": reps,
+                 "ember_gbps": ceiling, "torch_gbps": None, "ratio": None, "goal": None,
+                 "load_before": load, "load_after": load_average()})
     for mib in sizes:
-        # best of more rounds for short calls (both sides alike): on a shared VM a 1 MiB call's
-        # time varies by tens of percent from one call to the next
-        rounds = max(repeat, repeat * 64 // (8 * mib))
+        # best of several calls per repetition for short calls (both sides alike): on a shared VM
+        # a 1 MiB call's time varies by tens of percent from one call to the next
+        inner = max(1, 64 // (8 * mib))
         for name, nbytes, make in _cases(mib * MiB):
-            te, tt = _pair(make, rounds)
-            rows.append({"case": name, "size_mib": mib, "ember_gbps": nbytes / te / 1e9,
-                         "torch_gbps": nbytes / tt / 1e9, "ratio": tt / te, "goal": _goal(name, mib)})
+            extra = None
+            if name == "rand float32" and mib == max(sizes):
+                extra = {"keystream2": keystream2_call(nbytes)}
+            row = pair_row(name, nbytes, make, reps, inner, _goal(name, mib), extra)
+            if extra:
+                shares = [k / e for e, k in zip(row["ember_s"], row["keystream2_s"], strict=True)]
+                s = _spread(shares)
+                row.update(of_keystream2=s["median"], of_keystream2_min=s["min"],
+                           of_keystream2_max=s["max"],
+                           keystream2_gbps=nbytes / float(np.median(row["keystream2_s"])) / 1e9)
+                if mib == 64:
+                    row["keystream2_goal"] = KEYSTREAM_SHARE_GOAL
+            rows.append(row)
     n = 10**6 if quick else 10**7
-    te, tt = _pair(lambda g: lambda: torch.randperm(n, generator=g), 2 if quick else 3)
     name = "randperm 1e7" if n == 10**7 else "randperm 1e6"
-    rows.append({"case": name, "size_mib": n * 8 // MiB,
-                 "ember_gbps": n * 8 / te / 1e9, "torch_gbps": n * 8 / tt / 1e9, "ratio": tt / te,
-                 "goal": _goal(name, None)})
-    for row in rows:
-        if row["case"] == "rand float32":
-            row["of_keystream"] = row["ember_gbps"] / ceiling
-            row["of_keystream2"] = row["ember_gbps"] / ceiling2
-            if row["size_mib"] == 64:
-                row["keystream2_goal"] = KEYSTREAM_SHARE_GOAL
+    rows.append(pair_row(name, n * 8, lambda g: lambda: torch.randperm(n, generator=g), reps, 1,
+                         _goal(name, None)))
     if fresh:
-        rows += run_fresh(16 if quick else 64, 3 if quick else 7)
+        rows += run_fresh(16 if quick else 64, reps)
     return rows
 
 
@@ -195,21 +232,30 @@ def call_overhead_us(number: int = 20000) -> dict[str, float]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'case':<24}{'MiB':>6}{'ember GB/s':>12}{'torch GB/s':>12}{'ratio':>8}{'goal':>7}  met"
+    """The rows as a table: ratio = median of the repetitions' ratios [min-max], load = the
+    1-minute load average before/after the row."""
+    head = (f"{'case':<26}{'MiB':>5}{'reps':>5}{'ember GB/s':>11}{'torch GB/s':>11}"
+            f"{'ratio [min-max]':>20}{'goal':>7}{'met':>5}{'load':>11}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        torch_s = f"{r['torch_gbps']:.2f}" if r["torch_gbps"] is not None else "-"
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
+        torch_s = f"{r['torch_gbps']:.2f}" if r.get("torch_gbps") is not None else "-"
+        ratio = "-"
+        if r.get("ratio") is not None:
+            ratio = f"{r['ratio']:.2f}x"
+            if r.get("ratio_min") is not None:
+                ratio += f" [{r['ratio_min']:.2f}-{r['ratio_max']:.2f}]"
         goal = f"{r['goal']:.1f}x" if r.get("goal") else "-"
         met = "-" if not r.get("goal") else ("yes" if r["ratio"] >= r["goal"] else "no")
-        extra = ""
-        if "of_keystream" in r:
-            extra = (f"  ({r['of_keystream']:.0%} of keystream, {r['of_keystream2']:.0%} of "
-                     f"2 threads' keystream")
+        lb, la = r.get("load_before"), r.get("load_after")
+        load = "-" if lb is None else f"{lb:.1f}/{la:.1f}"
+        line = (f"{r['case']:<26}{r['size_mib']:>5}{r.get('reps', 1):>5}{r['ember_gbps']:>11.2f}"
+                f"{torch_s:>11}{ratio:>20}{goal:>7}{met:>5}{load:>11}")
+        if "of_keystream2" in r:
+            line += (f"\n{'':<26}uniform = {r['of_keystream2']:.0%} [{r['of_keystream2_min']:.0%}-"
+                     f"{r['of_keystream2_max']:.0%}] of the two-thread keystream "
+                     f"({r['keystream2_gbps']:.2f} GB/s)")
             if "keystream2_goal" in r:
                 ok = "met" if r["of_keystream2"] >= r["keystream2_goal"] else "not met"
-                extra += f"; goal {r['keystream2_goal']:.0%}: {ok}"
-            extra += ")"
-        lines.append(f"{r['case']:<24}{r['size_mib']:>6}{r['ember_gbps']:>12.2f}{torch_s:>12}"
-                     f"{ratio:>8}{goal:>7}  {met}{extra}")
+                line += f"; goal {r['keystream2_goal']:.0%}: {ok}"
+        lines.append(line)
     return "\n".join(lines)

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from .stream import renew_lock_after_fork
+
 __all__ = ["MT19937Sampler", "STATE_BYTES"]
 
 _MT_WORDS = 624
@@ -112,6 +114,7 @@ class MT19937Sampler:
         self._mt = np.random.MT19937()
         self._mt._legacy_seeding(self.initial_seed & 0xFFFFFFFF)  # std::mt19937(seed) seeding
         self._lock = threading.Lock()
+        renew_lock_after_fork(self)
 
     def __repr__(self) -> str:
         return f"MT19937Sampler(initial_seed={self.initial_seed})"

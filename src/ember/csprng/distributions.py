@@ -28,6 +28,9 @@ _TWO_PI = 2.0 * math.pi
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _REAL_DTYPES = (torch.bool,) + _INT_DTYPES + FLOAT_DTYPES  # what random_ and bernoulli_ fill
+_WORD64 = (torch.int64, getattr(torch, "uint64", torch.int64))  # written as raw 64-bit words
+# torch fills these only with ranged integers (randint, random_(from, to))
+_UINT_DTYPES = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
 _MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 
 
@@ -359,10 +362,11 @@ class NativeSampler:
 
         _drive(draw, n, 1, word, body, into=into)
         if not (a == 0.0 and b == 1.0):
-            if a == b:
-                out.fill_(a)
+            lo = _rounded(a, out.dtype)
+            if lo == _rounded(b, out.dtype):  # a and b are one value of the dtype: torch gives a
+                out.fill_(lo)
             else:
-                out.clamp_(max=_below(b, out.dtype))
+                out.clamp_(min=lo, max=_below(b, out.dtype))
 
     # ------------------------------------------------------------------ normal family
     def normal_(self, out: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> None:
@@ -466,6 +470,8 @@ class NativeSampler:
 
         def tf(u: np.ndarray, cd: type) -> None:  # -log(u) / lambd, u in (0, 1]
             np.log(u, out=u)
+            # u = 1 would give 0, outside the support x > 0: as torch, log(u) is at most -eps/2
+            np.minimum(u, cd(-np.finfo(cd).eps / 2), out=u)
             np.multiply(u, cd(-1.0 / lambd), out=u)
 
         self._unit_open(out, "exponential_", 1.0, tf)
@@ -523,13 +529,14 @@ class NativeSampler:
     # ------------------------------------------------------------------ integers
     def random_(self, out: torch.Tensor) -> None:
         """``random_()`` with no range: torch's default range for the dtype."""
+        _check_dtype("random_", out.dtype, _REAL_DTYPES)
         low, high = default_range(out.dtype)
         self.random_range_(out, low, high)
 
     def random_range_(self, out: torch.Tensor, low: int, high: int) -> None:
         """Uniform integers in ``[low, high)``, exactly unbiased."""
         dtype = out.dtype
-        _check_dtype("random_", dtype, _REAL_DTYPES)
+        _check_dtype("random_", dtype, _REAL_DTYPES + _UINT_DTYPES)
         low, high = int(low), int(high)
         if high <= low:
             raise ValueError(f"random_: expected from < to, got from={low}, to={high}")
@@ -548,14 +555,14 @@ class NativeSampler:
             if done is not None:
                 start, bad = done
                 if bad:
-                    dst = out.view(-1).numpy().view(np.uint64) if dtype == torch.int64 else None
+                    dst = out.view(-1).numpy().view(np.uint64) if dtype in _WORD64 else None
                     draw = Draw(self.stream, start, blocks_for(n * (8 if wide else 4)))
                     self._refill_integers(draw, np.array(bad, np.int64), r, offset, out, dst)
                 return
         draw = self._draw(n * (8 if wide else 4))
         if n == 0:
             return
-        dst = out.view(-1).numpy().view(np.uint64) if dtype == torch.int64 else None
+        dst = out.view(-1).numpy().view(np.uint64) if dtype in _WORD64 else None
         sink = None if dst is not None else _Sink(out)
         rejected: list[np.ndarray] = []
         word = np.uint64 if wide else np.uint32
@@ -737,7 +744,8 @@ class NativeSampler:
         return t.view(num_samples) if probs.dim() == 1 else t
 
     def poisson(self, rates: torch.Tensor) -> torch.Tensor:
-        """Poisson counts with the given rates, by inversion of the exact CDF."""
+        """Poisson counts with the given rates: inversion of the CDF below POISSON_PTRS_RATE,
+        Hörmann's transformed rejection (PTRS) from it on, whose cost does not grow with the rate."""
         if not rates.is_floating_point():
             raise TypeError(f"poisson: expected a floating-point rate tensor, got {rates.dtype}")
         lam = rates.detach().to("cpu", torch.float64).contiguous().view(-1)
@@ -745,11 +753,76 @@ class NativeSampler:
         if not np.isfinite(ln).all() or (ln < 0).any():
             raise ValueError("poisson: rates must be finite and non-negative")
         n = ln.size
-        w = np.empty(n, "<u8")
-        self._draw(n * 8).fill(memoryview(w.view(np.uint8)))
-        u = torch.from_numpy((w & np.uint64((1 << 53) - 1)).astype(np.float64) * 2.0**-53)
-        k = _poisson_inverse(lam, u)
-        return k.to(rates.dtype).view(rates.shape)
+        draw = self._draw(n * 16)
+        k = np.zeros(n)
+        if n == 0:
+            return torch.from_numpy(k).to(rates.dtype).view(rates.shape)
+        u = _u53_pairs(draw, n)
+        low = (ln > 0) & (ln < POISSON_PTRS_RATE)
+        if low.any():
+            k[low] = _poisson_inverse(torch.from_numpy(ln[low]),
+                                      torch.from_numpy(np.ascontiguousarray(u[low, 0]))).numpy()
+        pending = np.flatnonzero(ln >= POISSON_PTRS_RATE)
+        if pending.size:
+            refill = NativeSampler(draw.refill_stream())
+            uu = u[pending]
+            while True:  # rejected elements redraw, in element order, from the refill stream
+                values, ok = _ptrs(ln[pending], uu[:, 0], uu[:, 1])
+                k[pending[ok]] = values[ok]
+                pending = pending[~ok]
+                if not pending.size:
+                    break
+                uu = _u53_pairs(refill._draw(pending.size * 16), pending.size)
+        return torch.from_numpy(k).to(rates.dtype).view(rates.shape)
+
+
+POISSON_PTRS_RATE = 10.0  # rates from here on use PTRS (as NumPy does)
+
+
+def _u53_pairs(draw: Draw, n: int) -> np.ndarray:
+    """``n`` pairs of uniforms ``(w & (2**53 - 1)) * 2**-53`` from ``2n`` 64-bit words."""
+    w = np.empty(2 * n, "<u8")
+    draw.fill(memoryview(w.view(np.uint8)))
+    return ((w & np.uint64((1 << 53) - 1)).astype(np.float64) * 2.0**-53).reshape(n, 2)
+
+
+def _ptrs(lam: np.ndarray, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One round of PTRS (W. Hörmann, "The transformed rejection method for generating Poisson
+    random variables", 1993) for rates ``lam`` >= 10: (candidate counts, which are accepted)."""
+    slam = np.sqrt(lam)
+    b = 0.931 + 2.53 * slam
+    a = -0.059 + 0.02483 * b
+    inv_alpha = 1.1239 + 1.1328 / (b - 3.4)
+    vr = 0.9277 - 3.6224 / (b - 2.0)
+    uc = u - 0.5
+    us = 0.5 - np.abs(uc)
+    with np.errstate(divide="ignore", invalid="ignore"):  # us = 0, v = 0: rejected / accepted
+        k = np.floor((2.0 * a / us + b) * uc + lam + 0.43)
+        quick = (us >= 0.07) & (v <= vr)
+        out = (k < 0) | ~np.isfinite(k) | ((us < 0.013) & (v > us))
+        lhs = np.log(v) + np.log(inv_alpha) - np.log(a / (us * us) + b)
+        kk = np.where(out, lam, k)  # any valid count where the element is rejected anyway
+        ok = quick | (~out & (lhs <= _poisson_log_pmf(kk, lam)))
+    return k, ok
+
+
+def _poisson_log_pmf(k: np.ndarray, lam: np.ndarray) -> np.ndarray:
+    """log P(X = k) for X ~ Poisson(lam), accurate where k and lam are both large: Loader's
+    saddle-point form, -stirlerr(k) - lam * phi((k - lam) / lam) - log(2 pi k) / 2."""
+    res = np.empty_like(k)
+    direct = k < 16
+    if direct.any():
+        kd, ld = k[direct], lam[direct]
+        res[direct] = -ld + kd * np.log(ld) - torch.lgamma(torch.from_numpy(kd + 1.0)).numpy()
+    big = ~direct
+    if big.any():
+        kb, lb = k[big], lam[big]
+        x = (kb - lb) / lb
+        bd0 = lb * ((1.0 + x) * np.log1p(x) - x)
+        k2 = kb * kb
+        stirlerr = (1 / 12 - (1 / 360 - (1 / 1260 - (1 / 1680 - 1 / (1188 * k2)) / k2) / k2) / k2) / kb
+        res[big] = -stirlerr - bd0 - 0.5 * np.log(2.0 * math.pi * kb)
+    return res
 
 
 def _poisson_inverse(lam: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -819,6 +892,12 @@ def _mul64(w: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
     high = hh + (lh >> s32) + (hl >> s32) + (mid >> s32)
     low = (mid << s32) | (ll & m32)
     return high, low
+
+
+@functools.lru_cache(maxsize=256)
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    """``x`` rounded to ``dtype``."""
+    return float(torch.tensor(x, dtype=dtype))
 
 
 @functools.lru_cache(maxsize=256)

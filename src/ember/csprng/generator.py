@@ -27,11 +27,13 @@ from .stream import (
     forget_fork_rekey,
     key_from_seed,
     rekey_after_fork,
+    renew_lock_after_fork,
 )
 
 _MAGIC = b"EMBR"
-_VERSION = 1
+_VERSION = 2
 _HEADER = 72  # see _state_bytes for the layout
+_V1_CIPHERS = ("aes128", "chacha20")  # version 1 stored the cipher as its index in this list
 KINDS = ("random_device", "seeded", "keyed", "derived", "mt19937")
 _CPU = torch.device("cpu")
 
@@ -54,6 +56,7 @@ class Generator:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        renew_lock_after_fork(self)
         self._spawned = 0
         self._seed: int | None = None
         self.allow_pickle = False
@@ -193,7 +196,9 @@ class Generator:
     def fold_in(self, index: int) -> Generator:
         """An independent generator for ``index`` (a rank, worker or step): a pure function of
         this generator's key and ``index``; this generator is unchanged."""
-        return self._child("fold_in", int(index))
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
+            raise TypeError(f"fold_in: index must be an int, got {type(index).__name__} {index!r}")
+        return self._child("fold_in", index.__index__())
 
     def spawn(self, n: int) -> list[Generator]:
         """``n`` new independent generators; each call returns different ones."""
@@ -216,28 +221,31 @@ class Generator:
 
     # ------------------------------------------------------------------ persistence
     def _state_bytes(self) -> bytes:
-        # magic(4) version(1) kind(1) flags(1) cipher(1) key(16) counter(17, LE: 2**128 fits)
-        # padding(7) spawn count(8, LE) seed(16, LE); the mt19937 kind appends its source state
+        # magic(4) version(1) kind(1) flags(1) cipher name length L(1) key(16) counter(17, LE:
+        # 2**128 fits) padding(7) spawn count(8, LE) seed(16, LE), then the cipher name (L ASCII
+        # bytes; L = 0 for the mt19937 kind, which appends its source state instead). The name,
+        # not a code, so that registering another cipher cannot change what a saved state means.
         flags = (self.allow_pickle << 0) | (self._from_os << 1) | ((self._seed is not None) << 2)
         head = bytearray(_HEADER)
         head[0:4] = _MAGIC
         head[4] = _VERSION
         head[5] = KINDS.index(self._kind)
         head[6] = flags
-        head[7] = cipher_names().index(self.cipher) if self._stream is not None else 0
+        name = self.cipher.encode("ascii") if self._stream is not None else b""
+        head[7] = len(name)
         if self._stream is not None:
             head[8:24] = self._stream.key
             head[24:41] = self._stream.counter.to_bytes(17, "little")
         head[48:56] = self._spawned.to_bytes(8, "little")
         if self._seed is not None:
             head[56:72] = (self._seed % (1 << 128)).to_bytes(16, "little")
-        tail = self._sampler.state_bytes() if self._stream is None else b""
+        tail = self._sampler.state_bytes() if self._stream is None else name
         return bytes(head) + tail
 
     def _load_state_bytes(self, data: bytes) -> None:
         if len(data) < _HEADER or data[0:4] != _MAGIC:
             raise ValueError("set_state: not an ember.csprng state (bad magic or length)")
-        if data[4] != _VERSION:
+        if data[4] not in (1, _VERSION):
             raise ValueError(f"set_state: unsupported state version {data[4]}")
         if data[5] >= len(KINDS):
             raise ValueError(f"set_state: unknown generator kind code {data[5]}")
@@ -250,16 +258,29 @@ class Generator:
             sampler.load_state_bytes(data[_HEADER:])
             self._set_compat(sampler)
         else:
-            if len(data) != _HEADER:
-                raise ValueError(f"set_state: expected {_HEADER} bytes, got {len(data)}")
-            names = cipher_names()
-            if data[7] >= len(names):
-                raise ValueError(f"set_state: unknown cipher code {data[7]}")
+            cipher = self._cipher_of_state(data)
             counter = int.from_bytes(data[24:41], "little")
-            self._set_stream(kind, bytes(data[8:24]), counter, names[data[7]],
+            self._set_stream(kind, bytes(data[8:24]), counter, cipher,
                              from_os=bool(flags & 2), seed=seed)
         self.allow_pickle = bool(flags & 1)
         self._spawned = int.from_bytes(data[48:56], "little")
+
+    @staticmethod
+    def _cipher_of_state(data: bytes) -> str:
+        if data[4] == 1:
+            if len(data) != _HEADER:
+                raise ValueError(f"set_state: expected {_HEADER} bytes, got {len(data)}")
+            if data[7] >= len(_V1_CIPHERS):
+                raise ValueError(f"set_state: unknown cipher code {data[7]}")
+            return _V1_CIPHERS[data[7]]
+        if len(data) != _HEADER + data[7] or data[7] == 0:
+            raise ValueError(f"set_state: expected {_HEADER} bytes and the cipher name, got "
+                             f"{len(data)} bytes")
+        name = bytes(data[_HEADER:]).decode("ascii", "replace")
+        if name not in cipher_names():
+            raise ValueError(f"set_state: the state's cipher {name!r} is not registered; "
+                             f"expected one of {cipher_names()}")
+        return name
 
     def __reduce_ex__(self, protocol: int):
         if self._from_os and not self.allow_pickle:

@@ -21,7 +21,8 @@ _LABEL_PREFIX = b"ember.csprng/v1/"
 
 
 def derive_key(key: bytes, label: str, index: int) -> bytes:
-    """The 16-byte key of substream ``index`` under ``label``: HMAC-SHA256(key, label || LE128(index))."""
+    """The 16-byte key of substream ``index`` under ``label``:
+    HMAC-SHA256(key, "ember.csprng/v1/" || label || 0x00 || LE128(index))[:16]."""
     if not 0 <= index < 1 << 128:
         raise ValueError(f"substream index must be in [0, 2**128), got {index}")
     msg = _LABEL_PREFIX + label.encode() + b"\x00" + index.to_bytes(16, "little")
@@ -61,6 +62,7 @@ class BlockStream:
         self._counter = counter
         self._cipher: BlockCipher = get_cipher(cipher)
         self._lock = threading.Lock()
+        renew_lock_after_fork(self)
         # (position, writer): a writer whose next block is `position`; reused by the next draw that
         # starts there, which saves creating an OpenSSL context (~8 us) on sequential draws.
         self._cached: tuple[int, KeystreamWriter] | None = None
@@ -175,6 +177,16 @@ class Draw:
                            self.stream.cipher_name)
 
 
+# Objects whose ``_lock`` a forked child replaces: another thread of the parent may have held it
+# at the fork, and that thread does not exist in the child to release it.
+_FORK_LOCKS: weakref.WeakSet = weakref.WeakSet()
+
+
+def renew_lock_after_fork(obj: object) -> None:
+    """Give ``obj`` a new, unlocked ``_lock`` in every forked child."""
+    _FORK_LOCKS.add(obj)
+
+
 # Streams keyed from the operating system that must be re-keyed in a forked child.
 _FORK_REKEY: weakref.WeakSet = weakref.WeakSet()
 
@@ -189,8 +201,9 @@ def forget_fork_rekey(stream: BlockStream) -> None:
 
 
 def _after_fork_in_child() -> None:
+    for obj in list(_FORK_LOCKS):
+        obj._lock = threading.Lock()
     for stream in list(_FORK_REKEY):
-        stream._lock = threading.Lock()
         stream.reset(os.urandom(KEY_BYTES), 0)
 
 

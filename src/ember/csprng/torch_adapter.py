@@ -55,9 +55,20 @@ def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
 _FLOAT_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_")
 
 
+_UINTS = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
+# methods torch refuses for complex tensors, and the error type it raises
+_REAL_ONLY = {"bernoulli_": "UnsupportedDtype", "geometric_": "UnsupportedDtype",
+              "exponential_": "InvalidArgument", "cauchy_": "InvalidArgument"}
+
+
 def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
     if method in _FLOAT_METHODS and not (t.is_floating_point() or t.is_complex()):
         raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
+    if method in ("random_", "bernoulli_", "geometric_") and t.dtype in _UINTS:
+        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
+    if method in _REAL_ONLY and t.is_complex():
+        error = UnsupportedDtype if _REAL_ONLY[method] == "UnsupportedDtype" else InvalidArgument
+        raise error(f"{method}: not implemented for complex dtype {t.dtype} (torch raises too)")
     if method in ("random_", "random_range_") and t.is_complex():
         if method == "random_":
             raise UnsupportedDtype(f"random_: not implemented for {t.dtype}")
@@ -77,7 +88,9 @@ def _ember(generator: Any) -> bool:
 
 def _bump_version(t: torch.Tensor) -> None:
     # NumPy wrote into the tensor's memory behind autograd's back: record it as a modification
-    torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+    # (inference tensors have no version counter to record it in)
+    if not t.is_inference():
+        torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
 
 
 def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
@@ -96,15 +109,28 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
             "a leaf Variable that requires grad is being used in an in-place operation.")
     _check_dtype(t, method, params)
     sampler = generator.sampler()
+    if _functorch.is_functorch_wrapped_tensor(t):
+        # inside torch.func.grad/jvp/...: the wrapper has no storage; draw into a plain tensor
+        # and copy it in, which the transform sees as an ordinary (zero-gradient) copy
+        with torch._C._DisableFuncTorch():
+            tmp = fill_(torch.empty(t.shape, dtype=t.dtype, device=t.device), generator, method,
+                        *params, fresh=True)
+        return t.copy_(tmp)
     if t.is_complex():
+        if t.is_conj() or not t.is_contiguous():
+            return t.copy_(fill_(torch.empty(t.shape, dtype=t.dtype, device=t.device), generator,
+                                 method, *params, fresh=True))
         fill_(torch.view_as_real(t), generator, method, *_complex_params(method, params))
         return t
+    # autograd must see a write into a tensor that requires grad: copy_ gives it torch's zero
+    # gradient, as for torch's own in-place draws
+    tracked = not fresh and t.requires_grad and torch.is_grad_enabled()
     if not t.is_cpu:
         backend = _DEVICE_BACKENDS.get(t.device.type)
-        if backend is not None and backend(sampler, t, method, params):
+        if not tracked and backend is not None and backend(sampler, t, method, params):
             return t
-    elif t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        getattr(sampler, method)(t, *params)
+    elif t.is_contiguous() and not t.is_conj() and not t.is_neg() and not tracked:
+        getattr(sampler, method)(t.detach() if t.requires_grad else t, *params)
         if not fresh and t.numel():
             _bump_version(t)
         return t
@@ -153,16 +179,17 @@ def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None 
     if len(kwargs) == 1:  # generator= alone: the common call, kept short
         return advise_fresh(torch.empty(size, dtype=default_dtype)), False, True
     out = kwargs.pop("out", None)
-    dtype = kwargs.pop("dtype", None) or default_dtype
+    kwargs_dtype = kwargs.pop("dtype", None)
+    dtype = kwargs_dtype or default_dtype
     requires_grad = bool(kwargs.pop("requires_grad", False))
     layout = kwargs.pop("layout", None) or torch.strided
     device = kwargs.pop("device", None)
     pin_memory = bool(kwargs.pop("pin_memory", False))
-    kwargs.pop("names", None)
     kwargs.pop("generator", None)
-    if kwargs:
+    if kwargs:  # names= included: torch has no overload with both generator= and names=
         raise TypeError(f"unexpected keyword arguments: {sorted(kwargs)}")
     if out is not None:
+        dtype = kwargs_dtype
         if dtype is not None and out.dtype != dtype:
             raise RuntimeError(f"dtype {dtype} does not match the dtype of out= ({out.dtype})")
         if out.shape != size:
@@ -242,6 +269,8 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
         raise TypeError("randint() missing the high argument")
     if args:
         raise TypeError("randint(): too many positional arguments")
+    if "size" not in kwargs:
+        raise TypeError('randint() missing 1 required positional argument: "size"')
     low, high = _int_arg(low, "randint(): low"), _int_arg(high, "randint(): high")
     if low >= high:
         raise InvalidArgument(f"random_ expects 'from' to be less than 'to', but got "
@@ -304,11 +333,35 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     dtype = torch.result_type(mean, std) if (mt and st) else ref.dtype
     # the tensor overloads draw standard normals, then scale and shift them
     z = fill_(torch.empty(shape, dtype=dtype, device=ref.device), g, "normal_", 0.0, 1.0)
-    res = z * std + mean
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                       for x in (mean, std)):
+        res = _ScaleShift.apply(z, std, mean)  # torch defines zero gradients for mean and std
+    else:
+        res = z * std + mean
     if out is not None:
         out.resize_(res.shape).copy_(res)
         return out
     return res
+
+
+class _ScaleShift(torch.autograd.Function):
+    """``z * std + mean`` whose gradients to ``std`` and ``mean`` are zero (torch's definition for
+    ``torch.normal``'s tensor overloads)."""
+
+    @staticmethod
+    def forward(z: torch.Tensor, std: Any, mean: Any) -> torch.Tensor:
+        return z * std + mean
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.likes = [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else None
+                     for x in inputs[1:]]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        zeros = [None if like is None else torch.zeros(like[0], dtype=like[1], device=like[2])
+                 for like in ctx.likes]
+        return (None, *zeros)
 
 
 def _bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -326,7 +379,10 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     num_samples, replacement = _pick(args, kwargs, ("num_samples", "replacement"), (None, False))
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
-    res = g.sampler().multinomial(input, int(num_samples), bool(replacement)).to(input.device)
+    num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
+    with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
+        res = g.sampler().multinomial(_unwrapped(input), num_samples, bool(replacement))
+    res = res.to(input.device)
     if out is not None:
         out.resize_(res.shape).copy_(res)
         return out
@@ -334,7 +390,17 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
-    return generator.sampler().poisson(input).to(input.device)
+    with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
+        res = generator.sampler().poisson(_unwrapped(input))
+    return res.to(input.device)
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without torch.func's wrappers (inside grad/jvp/...): the values, which the draw reads
+    and does not differentiate."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
 
 
 def _unsupported(name: str) -> Callable[..., Any]:
@@ -360,11 +426,12 @@ def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return fill_(self, g, "random_")
     if high is None and len(args) == 1 and "from" not in kwargs:
         low, high = 0, low  # random_(to)
+    low = 0 if low is None else _int_arg(low, "random_(): argument 'from'")
     if high is None:
         from .distributions import representable_range
 
         high = representable_range(self.dtype)[1] + 1
-    return fill_(self, g, "random_range_", int(low or 0), int(high))
+    return fill_(self, g, "random_range_", low, _int_arg(high, "random_(): argument 'to'"))
 
 
 def _bernoulli_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -452,10 +519,14 @@ def install() -> None:
         _ORIGINALS[(torch, name)] = original
         wrapper = _wrap(original, impl, 1 if name == "poisson" else -1)
         setattr(torch, name, wrapper)
+        _script_as_builtin(wrapper, original, name)
     for name, impl in _TENSOR.items():
         original = getattr(torch.Tensor, name)
         _ORIGINALS[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _INHERITED)
         setattr(torch.Tensor, name, _wrap(original, impl))
+    from . import python_paths
+
+    python_paths.install(_ORIGINALS)
     # modules that did `from torch import randperm` (torch.utils.data.dataset) hold the original
     replaced = {id(o): getattr(torch, n) for (m, n), o in list(_ORIGINALS.items()) if m is torch}
     for mod_name, mod in list(sys.modules.items()):
@@ -465,6 +536,17 @@ def install() -> None:
             if id(value) in replaced and not attr.startswith("__"):
                 _ORIGINALS[(mod, attr)] = value
                 setattr(mod, attr, replaced[id(value)])
+
+
+def _script_as_builtin(wrapper: Callable[..., Any], original: Callable[..., Any], name: str
+                       ) -> None:
+    """Let torch.jit.script compile calls of ``wrapper`` as calls of the aten operator, as it
+    did for ``original``: scripted code never sees an ember generator (it only takes
+    torch.Generator), and a Python wrapper cannot be scripted."""
+    from torch.jit import _builtins
+
+    op = _builtins._find_builtin(original) or f"aten::{name}"
+    _builtins._register_builtin(wrapper, op)
 
 
 _INHERITED = object()

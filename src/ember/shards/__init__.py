@@ -1,7 +1,8 @@
 """ember.shards: read and write WebDataset-format tar shards from disk, HTTP, S3 and pipes.
 
 Reading: :class:`ShardDataset` (an IterableDataset with a webdataset-like fluent pipeline) and
-:class:`ShardLoader` (a DataLoader wrapper with exact ``state_dict()``). Writing:
+:class:`ShardLoader` (a DataLoader wrapper with exact ``state_dict()``), or
+:class:`RayShardLoader` (the same pipeline run as Ray tasks on a cluster). Writing:
 :class:`TarWriter`, :class:`ShardWriter`. Tools: ``ember shards ...``.
 """
 
@@ -9,6 +10,7 @@ from ember.shards.dataset import ShardDataset, ShardLoader, iter_shard, rank_and
 from ember.shards.decode import Decoder, handle_extension, imagehandler
 from ember.shards.errors import DecodeError, FormatError, ShardError, TruncatedShardError
 from ember.shards.format import group_samples, split_name
+from ember.shards.ray_loader import RayShardLoader
 from ember.shards.stages import (
     default_collate,
     ignore_and_continue,
@@ -20,7 +22,7 @@ from ember.shards.urls import UrlOptions, expand_urls, local_path, open_url
 from ember.shards.writer import ShardWriter, TarWriter, encode_field
 
 __all__ = [
-    "ShardDataset", "ShardLoader", "iter_shard", "rank_and_world",
+    "ShardDataset", "ShardLoader", "iter_shard", "rank_and_world", "RayShardLoader",
     "Decoder", "handle_extension", "imagehandler",
     "ShardError", "FormatError", "TruncatedShardError", "DecodeError",
     "split_name", "group_samples", "default_collate",

@@ -92,3 +92,9 @@ def __getattr__(name: str) -> _Any:
                        stacklevel=2)
         return getattr(_recipes, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the moved names stay discoverable (help(), completion); `from ... import *` skips them, since
+    # star imports read __all__, which may not name them without importing ember.train
+    return sorted(set(globals()) | set(_MOVED))

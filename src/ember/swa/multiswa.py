@@ -92,8 +92,11 @@ class MultiSWA:
             m.load_state_dict(s)
 
 
+_MOVED = ("train_multiswa",)  # moved to ember.train.recipes; the old name warns until ember 0.2
+
+
 def __getattr__(name: str) -> Any:
-    if name == "train_multiswa":
+    if name in _MOVED:
         from ember.train.recipes import multiswa as _recipes_multiswa  # deprecation shim
 
         warnings.warn("ember.swa.multiswa.train_multiswa has moved to "
@@ -101,3 +104,9 @@ def __getattr__(name: str) -> Any:
                       "in ember 0.2", DeprecationWarning, stacklevel=2)
         return _recipes_multiswa.train_multiswa
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the moved names stay discoverable (help(), completion); `from ... import *` skips them, since
+    # star imports read __all__, which may not name them without importing ember.train
+    return sorted(set(globals()) | set(_MOVED))

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ember.train.errors import ConfigError
 
@@ -37,7 +37,8 @@ outputs (in --out, written by rank 0):
   metrics.jsonl        one JSON object per step/epoch
   model.pt             final weights (state dict; with SWAP the averaged ones); swa.pt with
                        --swa-start
-  summary.json         steps, skipped steps, per-epoch history, ranks_in_sync
+  summary.json         steps, skipped steps, per-epoch history, ranks_in_sync; with DP-SGD
+                       "privacy": q, sigma, delta, steps, accountant, epsilon
 
 data convention: each sample holds one image (png, jpg, jpeg, ppm, pgm, webp, ...) and an
 integer class in a .cls member, as written by `ember shards create FOLDER -o PATTERN` (from a
@@ -106,6 +107,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="sample shuffle buffer; 0 reads in order (default: %(default)s)")
     data.add_argument("--workers", type=int, default=0, metavar="N",
                       help="DataLoader worker processes reading shards (default: %(default)s)")
+    data.add_argument("--ray-address", default=None, metavar="ADDR",
+                      help="read and decode the training shards with Ray tasks on this cluster "
+                      "('auto', 'HOST:6379', 'ray://HOST:10001'; needs ember[ray]); every "
+                      "process connects and gets its own equal share")
     model = p.add_argument_group("model and optimiser")
     model.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
                        help="mlp: two hidden layers on flattened pixels; cnn: two conv layers "
@@ -144,6 +149,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="delta of the DP guarantee (below 1/dataset size, e.g. 1e-5)")
     dp.add_argument("--max-grad-norm", type=float, default=None, metavar="C",
                     help="per-example gradient clipping bound for DP-SGD")
+    dp.add_argument("--dp-accountant", choices=("rdp", "prv"), default="rdp",
+                    help="privacy accountant (default: %(default)s)")
     dp.add_argument("--dp-noise-multiplier", type=float, default=None, help=argparse.SUPPRESS)
     swap = p.add_argument_group(
         "SWAP (stochastic weight averaging in parallel; needs torchrun with >= 2 processes)")
@@ -275,6 +282,9 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    if args.ray_address is not None and args.workers:
+        raise ConfigError("--workers applies to local reading; with --ray-address the Ray "
+                          "cluster's CPUs read the shards (drop --workers)")
     if args.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
     if args.momentum < 0 or args.weight_decay < 0:
@@ -305,9 +315,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm")
 
 
-def _in_memory_loader(stream: object, batch_size: int) -> torch.utils.data.DataLoader:
+def _in_memory_loader(stream: object, batch_size: int, world: Any) -> torch.utils.data.DataLoader:
     """The whole training stream as a map-style DataLoader: DP-SGD's Poisson sampling picks
-    examples by index, so the shards are read into memory once."""
+    examples by index, so the shards are read into memory once (by every rank, which samples
+    its share; --batch-size stays per process)."""
     import torch
 
     xs, ys = [], []
@@ -317,7 +328,9 @@ def _in_memory_loader(stream: object, batch_size: int) -> torch.utils.data.DataL
     if not xs:
         raise ConfigError("--data holds no samples")
     data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
-    return torch.utils.data.DataLoader(data, batch_size=batch_size)
+    sampler = torch.utils.data.DistributedSampler(data, world.size, world.rank, shuffle=False) \
+        if world.distributed else None
+    return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler)
 
 
 def _swap_phases(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -444,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         from ember.train.privacy import PrivacyConfig
 
         privacy = PrivacyConfig(epsilon=args.dp_epsilon, delta=args.dp_delta,
-                                max_grad_norm=args.max_grad_norm)
+                                max_grad_norm=args.max_grad_norm, accountant=args.dp_accountant)
         privacy.check()
 
     world = init_from_env()  # before building loaders, so each rank reads its own shards
@@ -459,16 +472,28 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args.model, shape, args.num_classes, args.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
-                               shuffle=args.shuffle_buffer, grayscale=args.grayscale,
-                               num_workers=args.workers, image_size=args.image_size,
-                               skip_bad=args.skip_bad)
-    if privacy is not None:
-        train = _in_memory_loader(train, args.batch_size)
-    elif not args.no_progress:
-        batches = _batches_per_epoch(urls, args.batch_size)
-        if batches is not None:  # the progress bar's total
-            train = train.with_length(batches)
+    if privacy is None:
+        train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
+                                   shuffle=args.shuffle_buffer, grayscale=args.grayscale,
+                                   num_workers=args.workers, ray_address=args.ray_address,
+                                   image_size=args.image_size, skip_bad=args.skip_bad)
+        if args.ray_address is not None:
+            try:
+                train.connect()
+            except (ImportError, ConnectionError) as exc:
+                raise ConfigError(f"--ray-address: {exc}") from None
+        elif not args.no_progress:
+            batches = _batches_per_epoch(urls, args.batch_size)
+            if batches is not None:  # the progress bar's total
+                train = train.with_length(batches)
+    elif args.ray_address is not None:
+        raise ConfigError("--ray-address cannot be combined with --dp-epsilon: DP-SGD samples "
+                          "every batch from all examples held in memory")
+    else:  # all of --data on every rank, in shard order
+        train = _in_memory_loader(image_class_loader(
+            args.data, args.batch_size, shuffle=0, grayscale=args.grayscale,
+            num_workers=args.workers, split_ranks=False, image_size=args.image_size,
+            skip_bad=args.skip_bad), args.batch_size, world)
     test = None
     if args.eval_data:
         test = image_class_loader(args.eval_data, 256, shuffle=0, grayscale=args.grayscale,
@@ -482,8 +507,13 @@ def run(args: argparse.Namespace) -> int:
         return nn.functional.cross_entropy(logits, target)
 
     try:
+        def on_epoch(epoch: int, record: dict) -> None:
+            if world.is_main and "epsilon" in record:
+                print(f"epoch {epoch + 1}/{args.epochs}: epsilon {record['epsilon']:.4f} "
+                      f"(delta {record['dp_delta']:g}, {record['dp_steps']} steps)", flush=True)
+
         result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test,
-                     privacy=privacy)
+                     privacy=privacy, on_epoch=on_epoch)
         swap_record = _swap_phases(args, result.model, optimizer, loss_fn, test, world) \
             if args.swap_phase2_epochs is not None else None
         streams = all_gather_objects(
@@ -504,6 +534,7 @@ def run(args: argparse.Namespace) -> int:
                    "ranks_in_sync": len(set(result.rank_digests)) == 1,
                    "rank_streams": streams, "history": result.history,
                    "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
+                   "privacy": result.privacy,
                    "image_size": list(args.image_size), "classes": names,
                    "skipped_bad": skipped}
         per_class = None

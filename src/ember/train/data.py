@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from ember.shards import DecodeError, ShardDataset, ShardLoader, expand_urls, ignore_and_continue
+from ember.shards import (
+    DecodeError,
+    RayShardLoader,
+    ShardDataset,
+    ShardLoader,
+    expand_urls,
+    ignore_and_continue,
+)
 from ember.shards.decode import IMAGE_EXTENSIONS
 from ember.shards.urls import local_path
 from ember.train.errors import ConfigError
@@ -159,8 +166,9 @@ def _dataset(urls: Sequence[str], *, seed: int, shuffle: int, grayscale: bool,
 def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int = 0,
                        shuffle: int = 1000, grayscale: bool = False, num_workers: int = 0,
                        split_ranks: bool = True, generator: torch.Generator | None = None,
+                       ray_address: str | None = None,
                        image_size: int | tuple[int, int] | None = None, skip_bad: bool = False
-                       ) -> ShardLoader:
+                       ) -> ShardLoader | RayShardLoader:
     """A resumable loader of ``(images, labels)`` batches from image + cls shards.
 
     ``image_size`` (an int or ``(height, width)``) resizes every image, aspect kept, until it
@@ -173,7 +181,9 @@ def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int 
     shuffling is reproducible from ``seed`` and changes every epoch; ``generator`` (e.g. an
     ember.csprng generator) draws the shuffles. With ``split_ranks`` (training data) each
     torch.distributed rank reads its own share, equalised so every rank gets the same number of
-    batches; without it (evaluation data) every process reads everything.
+    batches; without it (evaluation data) every process reads everything. With
+    ``ray_address``, Ray tasks on that cluster read and decode the shards (a RayShardLoader;
+    ``num_workers`` does not apply).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -184,6 +194,8 @@ def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int 
     ds = _dataset(expanded, seed=seed, shuffle=shuffle, grayscale=grayscale, rank=rank,
                   world_size=world, equalize=equalize, generator=generator, image_size=size,
                   skip_bad=skip_bad)
+    if ray_address is not None:
+        return RayShardLoader(ds.batched(batch_size), address=ray_address)
     return ShardLoader(ds.batched(batch_size), num_workers=num_workers)
 
 

@@ -219,6 +219,7 @@ class _Progress:
     dropped_microbatches: int = 0  # left over at epoch ends when accumulating
     micro: int = 0  # micro-batches seen in the current epoch
     epoch_loss_sum: float = 0.0
+    loss_batches: int = 0  # micro-batches of the current epoch with examples (Poisson: not all)
     history: list[dict] = field(default_factory=list)
 
 
@@ -241,6 +242,7 @@ class TrainResult:
     epsilon: float | None = None  # with privacy: the budget spent (at PrivacyConfig.delta)
     noise_multiplier: float | None = None  # with privacy: the DP-SGD noise multiplier used
     ema: EMA | None = None  # with TrainConfig.ema_decay: the moving average of the weights
+    privacy: dict | None = None  # with privacy: q, sigma, delta, steps, accountant, epsilon, ...
 
 
 def _split_batch(batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,7 +485,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
         scheduler: LRScheduler | None = None, eval_loader: Iterable | None = None,
         bn_loader: Iterable | None = None,
         on_step: Callable[[int, dict], None] | None = None,
-        privacy: PrivacyConfig | None = None) -> TrainResult:
+        privacy: PrivacyConfig | None = None,
+        on_epoch: Callable[[int, dict], None] | None = None) -> TrainResult:
     """Train ``model`` on ``(inputs, targets)`` batches from ``train_loader``.
 
     ``loss_fn(logits, targets)`` defaults to cross-entropy (logits are cast to float32 first).
@@ -492,14 +495,17 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
     adds test accuracy and NLL of every model kept (raw ``eval_*``, ``eval_ema_*``, and
     ``eval_swa_*`` with BatchNorm recomputed on ``bn_loader``) to each epoch's record.
     ``bn_loader`` recomputes the SWA model's BatchNorm statistics at the end. ``on_step(step,
-    record)`` is called after every optimizer step (and after that step's checkpoint, if any).
+    record)`` is called after every optimizer step (and after that step's checkpoint, if any);
+    ``on_epoch(epoch, record)`` after every epoch's record is written.
 
     Run under ``torchrun`` to train with DistributedDataParallel (gloo on CPU): each rank must
     read its own part of the data with the same number of batches (``ShardDataset(...,
     equalize="drop")``). A :class:`~ember.shards.ShardLoader` makes mid-epoch checkpoints exact.
 
-    ``privacy`` trains with DP-SGD through Opacus (see :mod:`ember.train.privacy`): each epoch's
-    record and the result carry the ``epsilon`` spent.
+    ``privacy`` trains with DP-SGD on Opacus's pieces (see :mod:`ember.train.privacy`), also
+    under torchrun: each epoch's record carries the ``epsilon`` spent and the ``dp_*`` parameters,
+    ``result.privacy`` the full report; the returned model, EMA and SWA copies carry no Opacus
+    hooks.
     """
     config = config or TrainConfig()
     config.check()
@@ -508,30 +514,36 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
     loss_fn = loss_fn or nn.functional.cross_entropy
     world = init_from_env()
     try:
-        return _fit(model, optimizer, train_loader, config, device, precision, loss_fn, scheduler,
-                    eval_loader, bn_loader, on_step, world, privacy)
+        with contextlib.ExitStack() as cleanup:
+            return _fit(model, optimizer, train_loader, config, device, precision, loss_fn,
+                        scheduler, eval_loader, bn_loader, on_step, world, privacy, on_epoch,
+                        cleanup)
     finally:
         shutdown(world)
 
 
 def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, scheduler,
-         eval_loader, bn_loader, on_step, world: World, privacy=None) -> TrainResult:
+         eval_loader, bn_loader, on_step, world: World, privacy, on_epoch,
+         cleanup: contextlib.ExitStack) -> TrainResult:
     from ember.csprng import create_generator, create_random_device_generator
 
     _check_optimizer(model, optimizer)
     model.to(device)
-    net = wrap_model(model, world)
+    if privacy is not None:
+        from ember.train.privacy import check_combination, check_loader, check_model
+
+        privacy.check()
+        check_combination(config, world)
+        check_loader(train_loader, world)  # before check_model may replace BatchNorm layers
+        check_model(model, replace_batchnorm=privacy.replace_batchnorm)
+        if world.distributed:  # as DDP does: every rank (and its EMA/SWA copies) starts at rank 0's
+            for t in [*model.parameters(), *model.buffers()]:
+                torch.distributed.broadcast(t.data, src=0)
+    net = wrap_model(model, world) if privacy is None else model
     scaler = precision.make_scaler()
     base = create_generator(config.seed) if config.seed is not None \
         else create_random_device_generator()
     generator = base.fold_in(world.rank)  # this rank's own substream
-    private = None
-    if privacy is not None:
-        from ember.train.privacy import check_combination, make_private
-
-        check_combination(config, world)
-        private = make_private(model, optimizer, train_loader, privacy, config.epochs)
-        net, optimizer, train_loader = private.module, private.optimizer, private.loader
     noise = None
     if config.noise_multiplier is not None:
         noise = GaussianGradientNoise(config.noise_multiplier, config.max_grad_norm, generator, world)
@@ -552,6 +564,13 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             swag.collect(model)
     ema = EMA(model, config.ema_decay, warmup=config.ema_warmup) \
         if config.ema_decay is not None else None
+    private = None
+    if privacy is not None:  # after the SWA/EMA copies, so that they carry no Opacus hooks
+        from ember.train.privacy import make_private
+
+        private = make_private(model, optimizer, train_loader, privacy, config.epochs, world)
+        cleanup.callback(private.close)
+        net, optimizer, train_loader = private.module, private.optimizer, private.loader
     swalr: SWALR | None = None
     progress = _Progress()
     ckpt_path = Path(config.checkpoint_dir) / CHECKPOINT_NAME if config.checkpoint_dir else None
@@ -580,11 +599,13 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                   accumulate=config.accumulate)
 
     def checkpoint() -> None:
+        dp_states = all_gather_objects(private.generator.get_state(), world) \
+            if private is not None else None
         state = _checkpoint_state(world, model, optimizer, scheduler, swalr, scaler, swa, swag,
                                   generator, train_loader, progress, config)
         if state is not None:
             if private is not None:
-                state["privacy"] = private.state_dict()
+                state["privacy"] = private.state_dict(dp_states)
             if ema is not None:
                 state["ema"] = ema.state_dict()
             save_checkpoint(ckpt_path, state)
@@ -592,6 +613,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
     bar = _progress_bar(config.progress and world.is_main)
     try:
         for epoch in range(progress.epoch, config.epochs):
+            if private is not None and private.stopped:
+                break  # the budget stop (max_epsilon)
             in_swa_phase = config.swa_start is not None and epoch >= config.swa_start
             if in_swa_phase and swalr is None:
                 swalr = _make_swalr(optimizer, config)
@@ -606,9 +629,10 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
             for batch in _batches(train_loader):
                 x, y = _split_batch(batch, device)
-                closes_step = (progress.micro + 1) % config.accumulate == 0
+                closes_step = private.closes_step() if private is not None \
+                    else (progress.micro + 1) % config.accumulate == 0
                 # DDP all-reduces gradients only on the micro-batch that closes a step
-                sync = net.no_sync() if world.distributed and not closes_step \
+                sync = net.no_sync() if world.distributed and private is None and not closes_step \
                     else contextlib.nullcontext()
                 with sync:
                     with precision.autocast():
@@ -617,9 +641,13 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                     scaled = loss / config.accumulate
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 progress.micro += 1
-                progress.epoch_loss_sum += float(loss.detach())
+                if y.dim() == 0 or y.shape[0] > 0:  # an empty Poisson batch has no loss
+                    progress.epoch_loss_sum += float(loss.detach())
+                    progress.loss_batches += 1
                 bar.update(1)
                 if not closes_step:
+                    if private is not None:
+                        private.accumulate()  # clip and add up; the step comes at the end
                     continue
 
                 skipped, grad_norm = _optimizer_step(model, optimizer, scaler, config.max_grad_norm,
@@ -672,22 +700,30 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                     swalr.step()
             elif scheduler is not None and config.scheduler_interval == "epoch":
                 scheduler.step()
-            record = {"epoch": epoch, "train_loss": progress.epoch_loss_sum / max(batches, 1),
+            train_loss = progress.epoch_loss_sum / progress.loss_batches \
+                if progress.loss_batches else None
+            record = {"epoch": epoch, "train_loss": train_loss,
                       "batches": batches, "steps": progress.step, "lr": epoch_lr,
                       "skipped_steps": progress.skipped_steps, "swa": in_swa_phase}
             errors = getattr(train_loader, "error_count", None)
             if errors is not None:  # shards/samples the loader's error handling skipped
                 record["data_errors"] = int(errors)
+            if private is not None:
+                private.epoch_done()
+                record["nonempty_batches"] = progress.loss_batches
             if eval_loader is not None and world.is_main:
                 record.update(_evaluate_kept(model, ema, swa, eval_loader, bn_loader, precision,
                                              device, config.bn_batches))
             if private is not None:
-                record["epsilon"] = private.epsilon()
+                record.update(private.epoch_record())
             progress.history.append(record)
             log.write("epoch", **record)
             progress.epoch, progress.micro, progress.epoch_loss_sum = epoch + 1, 0, 0.0
+            progress.loss_batches = 0
             if ckpt_path is not None:
                 checkpoint()
+            if on_epoch is not None:
+                on_epoch(epoch, record)
 
         # each rank's last forward updated its own BatchNorm statistics: agree on rank 0's
         for kept in (model, swa.module if swa is not None else None,
@@ -706,7 +742,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
         digests = all_gather_objects(weights_digest(model), world)
         log.write("end", steps=progress.step, skipped_steps=progress.skipped_steps,
                   dropped_microbatches=progress.dropped_microbatches,
-                  ranks_in_sync=len(set(digests)) == 1)
+                  ranks_in_sync=len(set(digests)) == 1,
+                  **({"privacy": private.report()} if private is not None else {}))
     finally:
         bar.close()
         log.close()
@@ -717,4 +754,4 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                        checkpoint=ckpt_path,
                        epsilon=private.epsilon() if private is not None else None,
                        noise_multiplier=private.noise_multiplier if private is not None else None,
-                       ema=ema)
+                       ema=ema, privacy=private.report() if private is not None else None)

@@ -1,16 +1,24 @@
-"""Differentially private training (DP-SGD) for :func:`ember.train.fit`, through Opacus.
+"""Differentially private training (DP-SGD) for :func:`ember.train.fit`, on Opacus's pieces.
 
 ``fit(..., privacy=PrivacyConfig(epsilon=3.0, delta=1e-5, max_grad_norm=1.0))`` trains with
-Opacus's ``PrivacyEngine(secure_mode=True)``: per-example gradients clipped to ``max_grad_norm``,
-Gaussian noise and Poisson-sampled batches drawn from an ember.csprng generator keyed from the OS,
-and the privacy budget tracked by Opacus's accountant. Opacus is imported only when used
-(``pip install ember[dp]``).
+DP-SGD: per-example gradients (Opacus's ``GradSampleModule``) clipped to ``max_grad_norm``,
+Opacus's secure-mode Gaussian noise, and Poisson-sampled logical batches, both drawn from an
+ember.csprng generator keyed from the OS; the budget is tracked by Opacus's accountant, stepped
+once per logical batch. The sample rate is ``1 / len(train_loader)`` and an epoch is exactly
+``len(train_loader)`` logical steps (Opacus's own loader loses a step for many sizes). Logical
+batches can be split into physical ones (``max_physical_batch_size``, Opacus's
+``BatchMemoryManager`` semantics) and several processes train together (Opacus's DPDDP and
+distributed Poisson sampling: each rank samples its share of the examples with its own ember
+stream, the clipped sums are added over ranks, and rank 0 adds the noise once per step).
+Opacus is imported only when used (``pip install ember[dp]``).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +27,10 @@ from torch import nn
 
 from ember.train.errors import ConfigError
 
-__all__ = ["PrivacyConfig", "PrivateTraining", "check_combination", "check_model", "make_private"]
+__all__ = ["ACCOUNTANTS", "PrivacyConfig", "PrivateTraining", "add_secure_noise",
+           "check_combination", "check_loader", "check_model", "make_private", "strip_opacus"]
 
-ACCOUNTANTS = ("rdp", "prv", "gdp")
+ACCOUNTANTS = ("rdp", "prv")
 
 
 @dataclass
@@ -30,14 +39,22 @@ class PrivacyConfig:
 
     - ``max_grad_norm``: per-example clipping bound C (required).
     - ``epsilon``, ``delta``: the target budget; the noise multiplier is then found by Opacus
-      (``get_noise_multiplier``) so that ``epochs`` epochs spend exactly it. Or give
-      ``noise_multiplier`` directly (``delta`` is still needed to report epsilon).
-    - ``accountant``: Opacus's accountant, ``"rdp"``, ``"prv"`` or ``"gdp"``.
-    - ``replace_batchnorm``: replace BatchNorm layers by GroupNorm in place (Opacus's
-      ``ModuleValidator.fix``; the existing affine parameters are kept, so the optimizer still
-      holds them); otherwise a model with BatchNorm is refused.
+      (``get_noise_multiplier``) for exactly the steps ``fit`` will take (``epochs *
+      len(train_loader)``). Or give ``noise_multiplier`` directly (``delta`` is still needed to
+      report epsilon). A ``delta`` of 1/N or more (N examples) warns: it allows leaking a record.
+    - ``accountant``: Opacus's accountant, ``"rdp"`` or ``"prv"``. (``"gdp"`` is refused: its
+      central-limit approximation under-reports epsilon at the sample rates used in practice.)
+    - ``max_physical_batch_size``: split each Poisson (logical) batch into physical batches of at
+      most this many examples; clipping stays per example and the accountant counts logical
+      steps (Opacus's ``BatchMemoryManager``). None: one physical batch per logical one.
+    - ``max_epsilon``: end training before the first step that would take the spent epsilon
+      above this bound (the budget stop).
+    - ``replace_batchnorm``: replace every BatchNorm layer (trainable or not) by the GroupNorm
+      Opacus's ``ModuleValidator.fix`` chooses, in place (the existing affine parameters are
+      kept, so the optimizer still holds them); otherwise a model with BatchNorm is refused.
     - ``noise_seed``: for tests only, key the noise and sampling generator from this seed (anyone
-      who knows it can remove the noise: no privacy). None (default) keys it from the OS.
+      who knows it can remove the noise: **not private**; ``fit`` warns and marks the result and
+      its records ``private: false``). None (default) keys it from the OS.
     """
 
     max_grad_norm: float | None = None
@@ -47,6 +64,8 @@ class PrivacyConfig:
     accountant: str = "rdp"
     replace_batchnorm: bool = False
     noise_seed: int | None = None
+    max_physical_batch_size: int | None = None
+    max_epsilon: float | None = None
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid option."""
@@ -71,6 +90,10 @@ class PrivacyConfig:
         if self.noise_multiplier is not None and (not number(self.noise_multiplier)
                                                   or not self.noise_multiplier > 0):
             raise ConfigError(f"privacy noise_multiplier must be > 0, got {self.noise_multiplier!r}")
+        if self.accountant == "gdp":
+            raise ConfigError("privacy accountant 'gdp' is not supported: its Gaussian (CLT) "
+                              "approximation can underestimate epsilon (sigma 0.8, 47 steps at "
+                              "q = 1/47: 1.06 by gdp, 2.27 by prv); use 'prv' or 'rdp'")
         if self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"unknown privacy accountant {self.accountant!r}; expected one of "
                               f"{', '.join(ACCOUNTANTS)}")
@@ -79,6 +102,13 @@ class PrivacyConfig:
                                             or self.noise_seed < 0):
             raise ConfigError(f"privacy noise_seed must be a non-negative int or None, "
                               f"got {self.noise_seed!r}")
+        m = self.max_physical_batch_size
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ConfigError(f"privacy max_physical_batch_size must be an integer >= 1 or None, "
+                              f"got {m!r}")
+        if self.max_epsilon is not None and (not number(self.max_epsilon)
+                                             or not self.max_epsilon > 0):
+            raise ConfigError(f"privacy max_epsilon must be > 0 or None, got {self.max_epsilon!r}")
 
 
 def _opacus():
@@ -90,56 +120,283 @@ def _opacus():
 
 
 def check_model(model: nn.Module, *, replace_batchnorm: bool = False) -> nn.Module:
-    """Make ``model`` acceptable to Opacus or raise :class:`ConfigError` naming the layer.
+    """Make ``model`` acceptable for DP-SGD or raise :class:`ConfigError` naming the layer.
 
-    With ``replace_batchnorm`` every BatchNorm is replaced in place by the GroupNorm Opacus's
-    ``ModuleValidator.fix`` chooses, reusing the BatchNorm's weight and bias parameters.
+    Every BatchNorm is refused, trainable or not: in train mode its batch statistics mix the
+    examples of a batch (Opacus's validator only looks at layers with trainable parameters).
+    With ``replace_batchnorm`` each is replaced in place by the GroupNorm Opacus's
+    ``ModuleValidator.fix`` chooses (``gcd(32, C)`` groups), reusing its weight and bias.
     """
     _opacus()
     from opacus.validators import ModuleValidator
 
-    bn = (nn.modules.batchnorm._BatchNorm,)
-    if replace_batchnorm:
-        for name, module in list(model.named_modules()):
-            if isinstance(module, bn):
-                fixed = ModuleValidator.fix(nn.Sequential(module))[0]
-                if module.affine:
-                    fixed.weight, fixed.bias = module.weight, module.bias
-                parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-                setattr(parent, name.rpartition(".")[2], fixed)
+    batchnorms = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if batchnorms and not replace_batchnorm:
+        name, m = batchnorms[0]
+        raise ConfigError(f"the model cannot be trained with DP-SGD: BatchNorm layer "
+                          f"{name or 'model'!r} ({type(m).__name__}) mixes the examples of a "
+                          f"batch, trainable or not (set PrivacyConfig(replace_batchnorm=True) "
+                          f"to use GroupNorm instead)")
+    for name, m in batchnorms:
+        if not name:
+            raise ConfigError("the model is itself a BatchNorm layer: nothing to train privately")
+        fixed = nn.GroupNorm(math.gcd(32, m.num_features), m.num_features, eps=m.eps,
+                             affine=m.affine)
+        if m.affine:
+            fixed.weight, fixed.bias = m.weight, m.bias
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, name.rpartition(".")[2], fixed)
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
-        first = errors[0]
-        hint = (" (set PrivacyConfig(replace_batchnorm=True) to use GroupNorm instead)"
-                if "BatchNorm" in str(first) else "")
-        raise ConfigError(f"the model cannot be trained with DP-SGD: {first}{hint}")
+        raise ConfigError(f"the model cannot be trained with DP-SGD: {errors[0]}")
+    return model
+
+
+def add_secure_noise(tensors: Sequence[torch.Tensor], std: float,
+                     generator: torch.Generator) -> list[torch.Tensor]:
+    """``tensors`` plus Opacus's secure-mode Gaussian noise of std ``std`` (one draw per tensor,
+    in order, from ``generator``): the one place DP-SGD's noise is drawn."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    return [t + _generate_noise(std, t, generator=generator, secure_mode=True) for t in tensors]
+
+
+def check_loader(loader: Any, world: Any) -> None:
+    """Refuse a training loader Poisson sampling cannot stand in for: not a DataLoader over a
+    map-style dataset with a ``batch_size``, or one whose epoch does not read every example once
+    (Poisson sampling draws from the whole dataset, so it would train on the examples left out)."""
+    from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+
+    if not isinstance(loader, torch.utils.data.DataLoader) or \
+            isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise ConfigError("privacy needs a torch.utils.data.DataLoader over a map-style dataset: "
+                          f"Poisson sampling picks examples by index (got {type(loader).__name__})")
+    sampler, n = loader.sampler, len(loader.dataset)
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise ConfigError("privacy needs a DataLoader with a batch_size (not batch_sampler= or "
+                          "batch_size=None): its batch count sets the sample rate")
+    if isinstance(sampler, DistributedSampler):
+        if sampler.num_replicas != world.size or sampler.rank != world.rank:
+            raise ConfigError(f"privacy: the loader's DistributedSampler has num_replicas="
+                              f"{sampler.num_replicas}, rank={sampler.rank}; this process is rank "
+                              f"{world.rank} of {world.size}")
+        return
+    if type(sampler) is SequentialSampler or (
+            type(sampler) is RandomSampler and not sampler.replacement
+            and sampler.num_samples == n):
+        return
+    raise ConfigError(f"privacy: the loader's sampler ({type(sampler).__name__}) does not read "
+                      f"every example of the dataset exactly once per epoch, but Poisson "
+                      f"sampling draws from the whole dataset ({n} examples) and would train on "
+                      f"the ones it leaves out; pass a DataLoader over exactly the training "
+                      f"examples (e.g. torch.utils.data.Subset(dataset, train_idx)) with "
+                      f"shuffle=True or False")
+
+
+class _PoissonBatches:
+    """Batch sampler of DP-SGD: every logical step draws each example of this rank's share with
+    probability ``sample_rate`` (empty batches included), split into physical batches of at most
+    ``max_physical``. ``closes`` tells, in order, which physical batch ends its logical one;
+    ``stop(k)`` is asked before drawing logical step k + 1 (the budget stop; ``drawn`` counts from
+    the run's start, so a loader that prefetches cannot make it late)."""
+
+    def __init__(self, share: torch.Tensor, sample_rate: float, steps: int,
+                 generator: torch.Generator, max_physical: int | None,
+                 stop: Callable[[int], bool]) -> None:
+        self.share, self.sample_rate, self.steps = share, sample_rate, steps
+        self.generator, self.max_physical, self.stop = generator, max_physical, stop
+        self.closes: collections.deque[bool] = collections.deque()
+        self.stopped = False
+        self.drawn = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            if self.stop(self.drawn):
+                self.stopped = True
+                return
+            self.drawn += 1
+            mask = torch.rand(len(self.share), generator=self.generator) < self.sample_rate
+            chosen = self.share[mask].tolist()
+            size = self.max_physical or max(len(chosen), 1)
+            chunks = [chosen[i:i + size] for i in range(0, len(chosen), size)] or [[]]
+            for i, chunk in enumerate(chunks):
+                self.closes.append(i == len(chunks) - 1)
+                yield chunk
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+class _CollateWithEmpty:
+    """The loader's collate function; an empty Poisson batch becomes zero-length tensors shaped
+    like one example's (only the shapes of example 0 are used, never its values)."""
+
+    def __init__(self, collate: Callable, dataset: Any) -> None:
+        self.collate, self.dataset = collate, dataset
+
+    def __call__(self, items: list) -> Any:
+        if items:
+            return self.collate(items)
+        return _empty_like(self.collate([self.dataset[0]]))
+
+
+def _empty_like(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_like(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _empty_like(v) for k, v in batch.items()}
+    raise ConfigError(f"privacy: cannot make an empty batch of {type(batch).__name__} (Poisson "
+                      f"sampling gives empty batches; collate to tensors)")
+
+
+def _dp_optimizer(optimizer: torch.optim.Optimizer, sigma: float, max_grad_norm: float,
+                  expected_batch_size: float, generator: torch.Generator, world: Any) -> Any:
+    """Opacus's DPOptimizer drawing its noise through :func:`add_secure_noise`; under several
+    processes the clipped sums are added over ranks and only rank 0 adds noise
+    (``DistributedDPOptimizer``'s semantics)."""
+    from opacus.optimizers.optimizer import DPOptimizer, _check_processed_flag, _mark_as_processed
+
+    class EmberDPOptimizer(DPOptimizer):
+        def add_noise(self) -> None:
+            params = self.params
+            for p in params:
+                _check_processed_flag(p.summed_grad)
+            summed = [p.summed_grad for p in params]
+            if world.rank == 0:
+                summed = add_secure_noise(summed, self.noise_multiplier * self.max_grad_norm,
+                                          self.generator)
+            for p, g in zip(params, summed, strict=True):
+                p.grad = g.view_as(p)
+                _mark_as_processed(p.summed_grad)
+
+        def step(self, closure: Callable | None = None) -> Any:
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+            if not self.pre_step():
+                return None
+            if world.distributed:
+                # each rank holds (its clipped sum [+ noise on rank 0]) / the global expected
+                # batch: the sum over ranks is the one-process update
+                for p in self.params:
+                    torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+            return self.original_optimizer.step()
+
+    return EmberDPOptimizer(optimizer, noise_multiplier=sigma, max_grad_norm=max_grad_norm,
+                            expected_batch_size=expected_batch_size, loss_reduction="mean",
+                            generator=generator, secure_mode=True)
+
+
+def strip_opacus(model: nn.Module) -> nn.Module:
+    """Remove what Opacus attached to ``model``: per-example gradient hooks and the
+    ``grad_sample`` / ``summed_grad`` / counter attributes of its parameters (in place)."""
+    for m in model.modules():
+        if hasattr(m, "autograd_grad_sample_hooks"):
+            for handle in m.autograd_grad_sample_hooks:
+                handle.remove()
+            del m.autograd_grad_sample_hooks
+    for p in model.parameters():
+        for attr in ("grad_sample", "_forward_counter", "_current_grad_sample", "summed_grad",
+                     "ddp_hooks"):
+            if hasattr(p, attr):
+                delattr(p, attr)
     return model
 
 
 class PrivateTraining:
-    """The Opacus objects of one private run: ``module`` (per-example gradients), ``optimizer``
-    (clip + noise), ``loader`` (Poisson sampling), ``engine`` and the ember ``generator``."""
+    """One private run: ``module`` (per-example gradients), ``optimizer`` (clip + noise),
+    ``loader`` (Poisson logical batches, maybe split into physical ones), the ember
+    ``generator`` of this rank and Opacus's ``accountant``, stepped once per logical step."""
 
-    def __init__(self, engine: Any, module: nn.Module, optimizer: Any, loader: Any,
-                 generator: Any, config: PrivacyConfig, noise_multiplier: float,
-                 sample_rate: float) -> None:
-        self.engine, self.module, self.optimizer, self.loader = engine, module, optimizer, loader
-        self.generator, self.config = generator, config
-        self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
+    def __init__(self, model: nn.Module, module: Any, optimizer: Any, loader: Any,
+                 batches: _PoissonBatches, generator: torch.Generator, accountant: Any,
+                 config: PrivacyConfig, noise_multiplier: float, sample_rate: float,
+                 steps_per_epoch: int, dataset_size: int, world: Any) -> None:
+        self.model, self.module, self.optimizer, self.loader = model, module, optimizer, loader
+        self.batches, self.generator, self.accountant = batches, generator, accountant
+        self.config, self.noise_multiplier, self.sample_rate = config, noise_multiplier, sample_rate
+        self.steps_per_epoch, self.dataset_size, self.world = steps_per_epoch, dataset_size, world
+        self.private = config.noise_seed is None
+        self.stopped = False
+        batches.stop = self._next_step_exceeds
+
+    @property
+    def steps(self) -> int:
+        """Logical steps the accountant has counted."""
+        return sum(int(n) for _, _, n in self.accountant.history)
+
+    def closes_step(self) -> bool:
+        """Whether the physical batch just read ends its logical batch."""
+        return self.batches.closes.popleft()
+
+    def accumulate(self) -> None:
+        """Clip and add up the per-example gradients of a physical batch that does not end its
+        logical one (no noise, no step, nothing counted)."""
+        self.optimizer.signal_skip_step(do_skip=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def epoch_done(self) -> None:
+        """Note a budget stop of the epoch just finished."""
+        self.stopped = self.stopped or self.batches.stopped
+
+    def _next_step_exceeds(self, taken: int) -> bool:
+        if self.stopped:
+            return True
+        if self.config.max_epsilon is None:
+            return False
+        probe = type(self.accountant)()
+        probe.history = [(self.noise_multiplier, self.sample_rate, taken + 1)]
+        return float(probe.get_epsilon(self.config.delta)) > self.config.max_epsilon
 
     def epsilon(self) -> float:
         """The budget spent so far at the configured delta (Opacus's accountant)."""
-        return float(self.engine.accountant.get_epsilon(self.config.delta))
+        if not self.accountant.history:
+            return 0.0
+        return float(self.accountant.get_epsilon(self.config.delta))
 
-    def state_dict(self) -> dict[str, Any]:
-        """Accountant history and generator state (the generator state is secret: it holds the
-        noise key)."""
-        history = [[float(s), float(q), int(n)] for s, q, n in self.engine.accountant.history]
-        return {"history": history, "generator": self.generator.get_state(),
-                "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-                "accountant": self.config.accountant}
+    def report(self) -> dict[str, Any]:
+        """What a reader of the result needs: q, sigma, delta, steps, accountant, epsilon."""
+        return {"private": self.private, "accountant": self.config.accountant,
+                "sample_rate": self.sample_rate, "noise_multiplier": self.noise_multiplier,
+                "delta": self.config.delta, "max_grad_norm": self.config.max_grad_norm,
+                "steps": self.steps, "epsilon": self.epsilon(),
+                "max_epsilon": self.config.max_epsilon, "stopped_early": self.stopped,
+                "dataset_size": self.dataset_size,
+                "expected_batch_size": self.dataset_size * self.sample_rate,
+                "max_physical_batch_size": self.config.max_physical_batch_size,
+                "world_size": self.world.size}
+
+    def epoch_record(self) -> dict[str, Any]:
+        """The privacy fields of an epoch record."""
+        return {"epsilon": self.epsilon(), "dp_steps": self.steps,
+                "dp_sample_rate": self.sample_rate, "dp_noise_multiplier": self.noise_multiplier,
+                "dp_delta": self.config.delta, "dp_accountant": self.config.accountant,
+                "dp_private": self.private}
+
+    def state_dict(self, generator_states: list[torch.Tensor]) -> dict[str, Any]:
+        """Accountant history, generator kind and every rank's generator state (secret: it holds
+        the noise key)."""
+        history = [[float(s), float(q), int(n)] for s, q, n in self.accountant.history]
+        return {"history": history, "generator": "os" if self.private else "seeded",
+                "generator_states": generator_states, "noise_multiplier": self.noise_multiplier,
+                "sample_rate": self.sample_rate, "steps_per_epoch": self.steps_per_epoch,
+                "accountant": self.config.accountant, "stopped": self.stopped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        kind = state["generator"] if isinstance(state["generator"], str) else None
+        mine = "os" if self.private else "seeded"
+        if kind is None and self.private:
+            raise ConfigError("the checkpoint does not say whether its DP noise was keyed from "
+                              "the OS or from noise_seed (written by an older ember): it cannot "
+                              "be resumed as a private run")
+        if kind is not None and kind != mine:
+            raise ConfigError(f"the checkpoint's DP noise generator was {kind!r}-keyed, this run's "
+                              f"is {mine!r}: resume with the same noise_seed setting (a run "
+                              f"with noise_seed is not private)")
         if state["accountant"] != self.config.accountant:
             raise ConfigError(f"checkpoint used the {state['accountant']!r} accountant, this run "
                               f"{self.config.accountant!r}")
@@ -148,32 +405,58 @@ class PrivateTraining:
             raise ConfigError("checkpoint was trained with another noise multiplier or sample rate "
                               f"({state['noise_multiplier']}, {state['sample_rate']}) than this run "
                               f"({self.noise_multiplier}, {self.sample_rate})")
-        self.engine.accountant.history = [(s, q, int(n)) for s, q, n in state["history"]]
-        self.generator.set_state(state["generator"])
+        self.accountant.history = [(s, q, int(n)) for s, q, n in state["history"]]
+        states = state.get("generator_states")
+        self.generator.set_state(states[self.world.rank] if states is not None
+                                 else state["generator"])
+        self.stopped = bool(state.get("stopped", False))
+        self.batches.drawn = self.steps
+
+    def close(self) -> None:
+        """Take Opacus's wrapping off the model (also after an error)."""
+        try:
+            self.module._close()
+        finally:
+            strip_opacus(self.model)
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-                 config: PrivacyConfig, epochs: int) -> PrivateTraining:
-    """Wrap model, optimizer and loader for DP-SGD with Opacus in secure mode on ember."""
+                 config: PrivacyConfig, epochs: int, world: Any = None) -> PrivateTraining:
+    """Wrap model, optimizer and loader for DP-SGD (call :func:`check_model` first)."""
+    from ember.train.distributed import World
+
+    world = world or World()
     config.check()
-    if not isinstance(loader, torch.utils.data.DataLoader) or \
-            isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        raise ConfigError("privacy needs a torch.utils.data.DataLoader over a map-style dataset: "
-                          f"Poisson sampling picks examples by index (got {type(loader).__name__})")
-    check_model(model, replace_batchnorm=config.replace_batchnorm)
+    check_loader(loader, world)
     _opacus()
-    from opacus import PrivacyEngine
-    from opacus.accountants.utils import get_noise_multiplier
+    from opacus.accountants.utils import create_accountant, get_noise_multiplier
+    from opacus.grad_sample.utils import wrap_model
 
     import ember.csprng as csprng
 
-    csprng.provide_torchcsprng()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = PrivacyEngine(accountant=config.accountant, secure_mode=True)
+    n, steps_per_epoch = len(loader.dataset), len(loader)
+    if steps_per_epoch < 1:
+        raise ConfigError("privacy: the training loader is empty")
+    if world.distributed:
+        from ember.train.distributed import all_gather_objects
+
+        seen = all_gather_objects((n, steps_per_epoch), world)
+        if len(set(seen)) != 1:
+            raise ConfigError(f"privacy under several processes needs the same dataset and "
+                              f"batch count on every rank, got (examples, batches) {seen}")
+    if config.delta >= 1 / n:
+        warnings.warn(f"privacy delta={config.delta:g} is not below 1/N = 1/{n}: a mechanism "
+                      f"that publishes one random record outright meets such a guarantee; use "
+                      f"delta << 1/N", UserWarning, stacklevel=3)
     if config.noise_seed is not None:
-        engine.secure_rng = csprng.create_generator(config.noise_seed)
-    sample_rate = 1 / len(loader)
+        warnings.warn("PrivacyConfig(noise_seed=...) derives the DP noise and sampling from a "
+                      "seed: anyone who knows it can remove the noise, so this run is not "
+                      "private (for tests only)", UserWarning, stacklevel=3)
+        base = csprng.create_generator(config.noise_seed)
+    else:
+        base = csprng.create_random_device_generator()
+    generator = base.fold_in(world.rank)  # this rank's own stream (sampling; noise on rank 0)
+    sample_rate = 1 / steps_per_epoch
     sigma = config.noise_multiplier
     if sigma is None:
         try:
@@ -181,7 +464,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
                 warnings.simplefilter("always")
                 sigma = float(get_noise_multiplier(
                     target_epsilon=config.epsilon, target_delta=config.delta,
-                    sample_rate=sample_rate, epochs=epochs, accountant=config.accountant))
+                    sample_rate=sample_rate, steps=epochs * steps_per_epoch,
+                    accountant=config.accountant))
             for w in caught:  # passed on only when a multiplier was found (else: the error)
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         except ValueError as exc:  # Opacus: "The privacy budget is too low."
@@ -189,25 +473,42 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
                               f"delta={config.delta} over {epochs} epochs of sample rate "
                               f"{sample_rate:.3g} ({exc}); raise epsilon or lower the "
                               "epochs") from None
-    module, dp_optimizer, dp_loader = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
-        max_grad_norm=config.max_grad_norm, poisson_sampling=True)
-    return PrivateTraining(engine, module, dp_optimizer, dp_loader, engine.secure_rng, config,
-                           sigma, sample_rate)
+    accountant = create_accountant(config.accountant)
+    if world.distributed:  # Opacus's DPDDP: every rank starts from rank 0's weights
+        for t in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(t.data, src=0)
+    with warnings.catch_warnings():
+        # Opacus warns that secure mode needs torchcsprng; ember's generator is what it means
+        warnings.filterwarnings("ignore", message=".*[Ss]ecure.*")
+        module = wrap_model(model, grad_sample_mode="hooks", batch_first=True,
+                            loss_reduction="mean")
+    dp_optimizer = _dp_optimizer(optimizer, sigma, config.max_grad_norm, n * sample_rate,
+                                 generator, world)
+    dp_optimizer.attach_step_hook(
+        lambda _: accountant.step(noise_multiplier=sigma, sample_rate=sample_rate))
+    share = torch.arange(world.rank, n, world.size)  # DistributedPoissonSampler's shares
+    batches = _PoissonBatches(share, sample_rate, steps_per_epoch, generator,
+                              config.max_physical_batch_size, stop=lambda k: False)
+    collate = loader.collate_fn
+    dp_loader = torch.utils.data.DataLoader(
+        loader.dataset, batch_sampler=batches, collate_fn=_CollateWithEmpty(collate, loader.dataset),
+        num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn)
+    return PrivateTraining(model, module, dp_optimizer, dp_loader, batches, generator, accountant,
+                           config, sigma, sample_rate, steps_per_epoch, n, world)
 
 
 def check_combination(config: Any, world: Any) -> None:
-    """Refuse the :class:`~ember.train.TrainConfig` options DP-SGD through Opacus cannot honour."""
+    """Refuse the :class:`~ember.train.TrainConfig` options DP-SGD cannot honour."""
     if config.precision != "fp32":
         raise ConfigError(f"privacy supports precision='fp32' only, got {config.precision!r}")
     if config.accumulate != 1:
         raise ConfigError("privacy does not support accumulate > 1: Poisson-sampled batches are "
-                          "the unit the accountant counts")
+                          "the unit the accountant counts (use PrivacyConfig("
+                          "max_physical_batch_size=...) to bound memory)")
     if config.max_grad_norm is not None:
         raise ConfigError("with privacy, clipping is per example: set PrivacyConfig.max_grad_norm "
                           "and leave TrainConfig.max_grad_norm None")
     if config.checkpoint_every is not None:
         raise ConfigError("privacy checkpoints at epoch ends only (checkpoint_every is not "
                           "supported: the Poisson sampler cannot resume mid-epoch)")
-    if world.distributed:
-        raise ConfigError("privacy does not support several processes (DDP) yet")

@@ -1,0 +1,561 @@
+"""RayShardLoader: a ShardDataset pipeline run as Ray tasks across a cluster, its items delivered
+to one training process per rank.
+
+Each shard of a rank's epoch is read by one Ray task, which also runs the pipeline's per-sample
+stages (decode, map, to_tuple, ...) and cuts full batches. The training process takes the tasks'
+outputs in the order of the plan, not in the order they finish, so which samples a rank gets, and
+in what order, are pure functions of (seed, epoch, rank, world) and the shard list, whatever the
+cluster's size. Ray is imported only when a loader first runs (``pip install 'ember[ray]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import traceback
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ember.shards import plan, stages
+from ember.shards.dataset import _HANDLED, ShardDataset, _one_to_one
+from ember.shards.errors import ShardError
+from ember.shards.reading import _ErrorPolicy, iter_shard, rank_and_world
+
+if TYPE_CHECKING:
+    from ember.shards.urls import UrlOptions
+
+__all__ = ["RayShardLoader"]
+
+STATE_VERSION = 1
+DEFAULT_TRANSFER_GROUP = 128  # items per object a task sends when the pipeline is not batched
+
+# stages a task runs on the samples of its one shard (shuffle and rsample: within the shard)
+_PER_SHARD = ("shuffle", "rsample", "decode", "map", "map_dict", "map_tuple", "rename", "select",
+              "to_tuple")
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("RayShardLoader needs Ray: pip install 'ember[ray]' (or 'ray>=2.10') "
+                          "on the training machines and on every node of the cluster") from None
+    return ray
+
+
+# ---- what runs on the Ray workers ------------------------------------------------------------
+
+@dataclass
+class _Spec:
+    """What every task of an epoch needs besides its shard (put in the object store once)."""
+
+    urls: list[str]
+    options: UrlOptions
+    stages: list[tuple[str, tuple]]  # the per-sample stages, in order
+    batch: tuple[int, Callable | None] | None  # batched(n, collation_fn): (n, collation_fn)
+    seed: int
+    generator: torch.Generator | None
+    raise_errors: bool  # on_error="raise": shard and decode errors end the task
+    group: int  # items per object sent (batched pipelines send every batch alone)
+
+
+@dataclass
+class _Outcome:
+    """The last object a task sends: what the trainer needs after the shard's items."""
+
+    raw: int = 0  # samples read from the shard
+    handled: int = 0  # items skipped or stopped at by a stage's handler=
+    skipped: list = field(default_factory=list)  # errors on_error has to see, in order
+    leftover: list = field(default_factory=list)  # items after the shard's last full batch
+    stopped: bool = False  # a handler returned False: the rank's stream ends after this shard
+    fatal: BaseException | None = None  # raised by the pipeline (after the items sent)
+
+
+def _portable(exc: BaseException, where: str) -> BaseException:
+    """``exc`` with a note saying where it was raised and the worker's traceback, or, if it
+    cannot be pickled, a RuntimeError that says what it was."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        exc = RuntimeError(f"{type(exc).__name__}: {exc} (raised {where}; the exception could "
+                           "not be pickled)")
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(f"raised {where}:\n" + "".join(traceback.format_exception(exc)).rstrip())
+    return exc
+
+
+def _seed_globals(seed: int) -> None:
+    """Seed the worker's global generators, so stages that draw from them (augmentations) give
+    the same items for the same (seed, epoch, shard) on any worker, and again on resume."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def _shard_samples(url: str, options: UrlOptions, limit: int | None, out: _Outcome,
+                   on_error: Callable[[Exception], None]) -> Iterator[dict]:
+    """The first ``limit`` (all if None) samples of one shard; a ShardError goes to on_error."""
+    if limit == 0:
+        return
+    samples = iter_shard(url, options)
+    try:
+        for sample in samples:
+            out.raw += 1
+            yield sample
+            if out.raw == limit:
+                return
+    except ShardError as exc:
+        on_error(exc)
+    finally:
+        samples.close()
+
+
+class _TaskErrors:
+    """The dataset's on_error on a worker, for ``_one_to_one``: ``"raise"`` raises, anything
+    else keeps the error for the training process's on_error. ``count`` counts the items that
+    stage handlers skipped; ``stopped`` is set when a handler ended the stream."""
+
+    def __init__(self, raise_errors: bool, where: str):
+        self.raise_errors = raise_errors
+        self.where = where
+        self.count = 0
+        self.skipped: list[BaseException] = []
+        self.stopped = False
+
+    def __call__(self, exc: Exception) -> None:
+        if self.raise_errors:
+            raise exc
+        self.skipped.append(_portable(exc, self.where))
+
+    def watch(self, handler: Callable[[Exception], Any]) -> Callable[[Exception], Any]:
+        """``handler``, noting when it ends the stream (returns False)."""
+        def handle(exc: Exception) -> Any:
+            go_on = handler(exc)
+            if not go_on:
+                self.stopped = True
+            return go_on
+
+        return handle
+
+
+def _stage(src: Iterator, kind: str, p: tuple, index: int, spec: _Spec, draws: tuple,
+           errors: _TaskErrors) -> Iterator:
+    """Stage ``index`` of the pipeline (``kind`` with payload ``p``) over ``src``: the same stage
+    functions, handler rules and error counting as local reading; shuffle and rsample draw from
+    a generator of (seed, epoch, shard, visit, stage)."""
+    if kind in ("shuffle", "rsample"):
+        g = plan.make_generator(plan.derive_seed(spec.seed, "ray", *draws, index),
+                                copy.deepcopy(spec.generator))
+        if kind == "shuffle":
+            return stages.shuffle(src, p[0], p[1], g)
+        return stages.rsample(src, p[0], g)
+    if kind in _HANDLED and p[-1] is not None:
+        p = p[:-1] + (errors.watch(p[-1]),)
+    return _one_to_one(kind, p, errors)(src)
+
+
+def _full_batches(items: Iterator, size: int, collate: Callable | None,
+                  out: _Outcome) -> Iterator:
+    """Batches of ``size`` items; the items after the last full one go to ``out.leftover`` (the
+    trainer batches them with other shards' leftovers)."""
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield collate(batch) if collate is not None else batch
+            batch = []
+    out.leftover = batch
+
+
+def run_shard(spec: _Spec, shard: int, epoch: int, visit: int, limit: int | None,
+              skip: int) -> Iterator:
+    """One task: the items (or full batches) of shard ``shard`` through the pipeline, sent as
+    lists of up to ``spec.group``, leaving out the first ``skip`` (delivered before a resume);
+    then an _Outcome. ``visit`` counts earlier reads of the shard in the epoch (equalize)."""
+    url = spec.urls[shard]
+    where = f"on a Ray worker reading shard {url}"
+    draws = (epoch, shard, visit)
+    _seed_globals(plan.derive_seed(spec.seed, "ray-globals", *draws))
+    out = _Outcome()
+    errors = _TaskErrors(spec.raise_errors, where)
+    src: Iterator = _shard_samples(url, spec.options, limit, out, errors)
+    for i, (kind, p) in enumerate(spec.stages):
+        src = _stage(src, kind, p, i, spec, draws, errors)
+    if spec.batch is not None:
+        src = _full_batches(src, spec.batch[0], spec.batch[1], out)
+    group: list = []
+    try:
+        for unit in src:
+            if skip:
+                skip -= 1
+                continue
+            group.append(unit)
+            if len(group) == spec.group:
+                yield group
+                group = []
+    except Exception as exc:
+        out.fatal = _portable(exc, where)
+    finally:
+        close = getattr(src, "close", None)
+        if close is not None:
+            close()
+    if group:
+        yield group
+    out.handled, out.skipped, out.stopped = errors.count, errors.skipped, errors.stopped
+    yield out
+
+
+# ---- the training process's side ---------------------------------------------------------------
+
+@dataclass
+class _Task:
+    """One task of a rank's epoch: shard ``shard`` (its ``visit``-th read), at most ``limit``
+    samples (None: all)."""
+
+    shard: int
+    visit: int
+    limit: int | None
+
+
+class RayShardLoader:
+    """The items of a :class:`ShardDataset` pipeline for one training process (rank), made by Ray
+    tasks on a cluster.
+
+    Each epoch, the rank's shards (``plan.worker_shards`` with one reading stream per rank, so
+    all ranks together read each shard once) are each read by one Ray task, which runs the
+    per-sample stages (``shuffle`` and ``rsample`` within its shard, ``decode``, ``map``,
+    ``map_dict``, ``map_tuple``, ``rename``, ``select``, ``to_tuple``) and, if the pipeline ends
+    in ``batched(n)``, cuts the shard's full batches. The loader hands out the tasks' items in the
+    plan's order; items after a shard's last full batch are batched here with those of the next
+    shards (the epoch's last batch may be short unless ``partial=False``). ``equalize`` gives
+    every rank the same number of samples, as locally (one reading stream per rank).
+
+    Errors are handled as locally: ``on_error`` applies to corrupt and truncated shards and to
+    decode errors (a ``"raise"`` raises the original exception here, after the items before it;
+    ``"warn"``, ``"skip"`` or a callable run here, in order, when the shard's items have been
+    handed out), ``handler=`` of the stages runs on the worker, and ``error_count`` counts both.
+
+    ``address``: the cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``); None uses
+    an already initialised Ray, else ``ray.init()``'s default. ``rank``/``world_size``: as for
+    ShardDataset (default: the dataset's, else torch.distributed, else RANK/WORLD_SIZE).
+    ``max_in_flight``: tasks running ahead of the one being handed out (default: the cluster's
+    CPUs, at least 2); each holds up to one shard's output in Ray's object store.
+    ``transfer_group``: items (batches, if the pipeline is batched) per object a task sends
+    (default 128, or 1 for batched pipelines: a batch already amortises the transfer).
+    ``ray_remote_args``: options of every task (default ``{"num_cpus": 1}``).
+
+    ``state_dict()`` resumes exactly, mid-epoch too: it holds the task being handed out, the
+    items of it already handed out and the leftover items waiting for a batch; resuming re-runs
+    only that task.
+    """
+
+    def __init__(self, dataset: ShardDataset, *, address: str | None = None,
+                 rank: int | None = None, world_size: int | None = None,
+                 max_in_flight: int | None = None, transfer_group: int | None = None,
+                 ray_remote_args: dict | None = None):
+        if not isinstance(dataset, ShardDataset):
+            raise TypeError(f"expected a ShardDataset, got {type(dataset).__name__}")
+        _check_pipeline(dataset)
+        if max_in_flight is not None and int(max_in_flight) < 1:
+            raise ValueError(f"expected max_in_flight >= 1, got {max_in_flight!r}")
+        if transfer_group is not None and int(transfer_group) < 1:
+            raise ValueError(f"expected transfer_group >= 1, got {transfer_group!r}")
+        self.dataset = dataset
+        self.address = address
+        self.rank = dataset.rank if rank is None else int(rank)
+        self.world_size = dataset.world_size if world_size is None else int(world_size)
+        if self.rank is not None and self.world_size is not None:
+            plan.stream_index(self.rank, self.world_size, 0, 1)  # validates
+        self.max_in_flight = None if max_in_flight is None else int(max_in_flight)
+        batched = dataset.stages and dataset.stages[-1][0] == "batched"
+        if transfer_group is not None:
+            self.transfer_group = int(transfer_group)
+        else:
+            self.transfer_group = 1 if batched else DEFAULT_TRANSFER_GROUP
+        self.ray_remote_args = dict(ray_remote_args) if ray_remote_args is not None \
+            else {"num_cpus": 1}
+        self.epoch = dataset.epoch
+        self._resume: dict | None = None
+        self._pos: dict = self._start_position()
+        self._on_error = _ErrorPolicy(dataset.on_error)
+        self._last_errors: int | None = None  # set when an epoch ends
+
+    def connect(self) -> None:
+        """Connect to the cluster now (iteration does it otherwise): Ray initialised with
+        ``address`` unless it already is. Raises ImportError without Ray, ConnectionError
+        naming the address when it cannot connect."""
+        ray = _ray()
+        if ray.is_initialized():
+            return
+        try:
+            ray.init(address=self.address)
+        except Exception as exc:
+            raise ConnectionError(f"cannot connect to the Ray cluster at {self.address!r}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+
+    # ---- splitting, epochs, state ----------------------------------------------------------
+
+    def split(self, n: int) -> list[RayShardLoader]:
+        """``n`` loaders, one per rank of a world of ``n`` (to hand to ``n`` training workers):
+        together they deliver every sample of an epoch once (with the dataset's ``equalize``,
+        the same number each)."""
+        if int(n) < 1:
+            raise ValueError(f"expected split(n) with n >= 1, got {n!r}")
+        if self.dataset.nodesplitter is None:
+            raise ValueError("split(n) deals shards to ranks: it needs the dataset's "
+                             "nodesplitter='auto' (with None the URL list is one rank's own)")
+        out = []
+        for r in range(int(n)):
+            part = copy.copy(self)
+            part.rank, part.world_size = r, int(n)
+            part._resume = None
+            part._pos = part._start_position()
+            part._on_error = _ErrorPolicy(self.dataset.on_error)
+            part._last_errors = None
+            out.append(part)
+        return out
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (from its start); epochs also advance by
+        themselves when an iteration reaches the end."""
+        if int(epoch) < 0:
+            raise ValueError(f"expected an epoch >= 0, got {epoch!r}")
+        self.epoch = int(epoch)
+        self._resume = None
+
+    @property
+    def error_count(self) -> int:
+        """Shards, samples and items skipped by on_error and handlers in the current (or, after
+        its end, the last) epoch."""
+        return self._pos["errors"] if self._last_errors is None else self._last_errors
+
+    def _start_position(self) -> dict:
+        return {"task": 0, "taken": 0, "pending": [], "raw": 0, "errors": 0}
+
+    def state_dict(self) -> dict:
+        """Epoch, seed, rank and world, the task being handed out and the items of it handed out,
+        the samples read before it, the items waiting for a batch: enough to resume exactly."""
+        pos = self._pos
+        rank, world = self._rank_world()
+        return {"version": STATE_VERSION, "kind": "ray", "epoch": self.epoch,
+                "seed": self.dataset.seed, "rank": rank, "world_size": world,
+                "num_shards": len(self.dataset.urls), "task": pos["task"], "taken": pos["taken"],
+                "raw": pos["raw"], "pending": list(pos["pending"]), "errors": pos["errors"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state`` on the next iteration."""
+        if state.get("version") != STATE_VERSION or state.get("kind") != "ray":
+            raise ValueError("not a RayShardLoader state (a ShardLoader's state cannot be resumed "
+                             "on Ray, nor the other way round)")
+        rank, world = self._rank_world()
+        mine = (self.dataset.seed, len(self.dataset.urls), rank, world)
+        saved = (state["seed"], state["num_shards"], state["rank"], state["world_size"])
+        if saved != mine:
+            raise ValueError(f"state is for seed, shards, rank, world_size = {saved}, this "
+                             f"loader has {mine}")
+        self.epoch = int(state["epoch"])
+        self._resume = {k: state[k] for k in ("task", "taken", "raw", "errors")}
+        self._resume["pending"] = list(state["pending"])
+        self._pos = dict(self._resume)
+        self._last_errors = None
+
+    def __len__(self) -> int:
+        if self.dataset.length is not None:
+            return self.dataset.length
+        raise TypeError("RayShardLoader has no length: declare it with dataset.with_length(n) "
+                        "(the number of items an epoch yields on this rank)")
+
+    def _rank_world(self) -> tuple[int, int]:
+        if self.dataset.nodesplitter is None:
+            return 0, 1  # the URL list is this rank's own
+        return rank_and_world(self.rank, self.world_size)
+
+    # ---- the plan of an epoch --------------------------------------------------------------
+
+    def _plan(self, epoch: int, rank: int, world: int) -> tuple[list[int], list[_Task],
+                                                               int | None, list[int] | None]:
+        """The rank's shards, its planned tasks, its sample quota (equalize) and shard sizes."""
+        ds = self.dataset
+        n = len(ds.urls)
+        gen = copy.deepcopy(ds.generator)
+        mine = plan.worker_shards(n, seed=ds.seed, epoch=epoch, rank=rank, world=world,
+                                  worker=0, num_workers=1, shuffle=ds.shuffle_shards,
+                                  generator=gen)
+        if ds.equalize is None:
+            if not mine:
+                warnings.warn(f"{n} shards for {world} ranks: rank {rank} gets no shard, so "
+                              "ranks are uneven; use more shards, or equalize='repeat'",
+                              stacklevel=3)
+            return mine, [_Task(i, 0, None) for i in mine], None, None
+        sizes = ds.ensure_shard_sizes()
+        quota = plan.equal_quotas(sizes, seed=ds.seed, epoch=epoch, world=world, num_workers=1,
+                                  mode=ds.equalize, shuffle=ds.shuffle_shards,
+                                  generator=copy.deepcopy(ds.generator))[0]
+        if not mine:  # fewer shards than ranks: read the shard at the rank's position, as locally
+            order = plan.shard_order(n, seed=ds.seed, epoch=epoch, shuffle=ds.shuffle_shards,
+                                     generator=copy.deepcopy(ds.generator))
+            mine = [order[rank % n]]
+        tasks, left = [], quota
+        if sum(sizes[i] for i in mine) == 0:
+            return mine, tasks, quota, sizes  # nothing planned: the refill reports it
+        k = 0
+        while left > 0:
+            i = mine[k % len(mine)]
+            take = min(sizes[i], left)
+            if take:
+                tasks.append(_Task(i, k // len(mine), take))
+            left -= take
+            k += 1
+        return mine, tasks, quota, sizes
+
+    # ---- iteration ---------------------------------------------------------------------------
+
+    def _window(self, ray: Any) -> int:
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        return max(2, int(ray.cluster_resources().get("CPU", 1)))
+
+    def __iter__(self) -> Iterator:
+        self.connect()
+        ray = _ray()
+        ds = self.dataset
+        rank, world = self._rank_world()
+        epoch = self.epoch
+        resume, self._resume = self._resume, None
+        pos = dict(resume) if resume is not None else self._start_position()
+        pos["pending"] = list(pos["pending"])
+        self._pos = pos
+        self._last_errors = None
+        self._on_error = _ErrorPolicy(ds.on_error)
+        mine, planned, quota, sizes = self._plan(epoch, rank, world)
+        batch = None
+        per_sample = ds.stages
+        if ds.stages and ds.stages[-1][0] == "batched":
+            size, collate, partial = ds.stages[-1][1]
+            batch = (size, collate)
+            per_sample = ds.stages[:-1]
+        spec = _Spec(urls=ds.urls, options=ds.options, stages=per_sample, batch=batch,
+                     seed=ds.seed, generator=ds.generator, raise_errors=ds.on_error == "raise",
+                     group=self.transfer_group)
+        # "streaming": each object a task yields reaches this process while the task goes on
+        remote = ray.remote(run_shard).options(**{**self.ray_remote_args,
+                                                  "num_returns": "streaming"})
+        spec_ref = ray.put(spec)
+        window = self._window(ray)
+        first, skip = pos["task"], pos["taken"]
+        inflight: deque = deque()
+        submitted = first
+        idle = 0  # refill tasks in a row that read nothing
+
+        def submit(k: int, task: _Task) -> None:
+            gen = remote.remote(spec_ref, task.shard, epoch, task.visit, task.limit,
+                                skip if k == first else 0)
+            inflight.append((k, gen))
+
+        current = None
+        try:
+            while True:
+                while len(inflight) < window and submitted < len(planned):
+                    submit(submitted, planned[submitted])
+                    submitted += 1
+                if not inflight:
+                    if quota is None or pos["raw"] >= quota:
+                        break
+                    # equalize: errors left the rank short of its quota; read on through its
+                    # shards, one task at a time (each knows how many samples are missing)
+                    if idle >= len(mine):
+                        raise ShardError(f"rank {rank} has no readable samples to reach its "
+                                         f"equalize={ds.equalize!r} quota of {quota}")
+                    k = submitted
+                    i = mine[k % len(mine)]
+                    submit(k, _Task(i, k // len(mine), min(sizes[i], quota - pos["raw"])))
+                    submitted += 1
+                k, current = inflight.popleft()
+                outcome = yield from self._hand_out(ray, current, pos)
+                current = None
+                if k >= len(planned):
+                    idle = idle + 1 if outcome.raw == 0 else 0
+                # the task is done: the position moves past it before anything else is handed out
+                pending = pos["pending"] + outcome.leftover
+                ready = batch is not None and len(pending) >= batch[0]
+                pos.update(task=k + 1, taken=0, raw=pos["raw"] + outcome.raw,
+                           pending=pending[batch[0]:] if ready else pending)
+                self._errors(outcome, pos)
+                if ready:
+                    yield _collate(batch, pending[:batch[0]])
+                if outcome.stopped:
+                    break
+            if batch is not None and pos["pending"] and partial:
+                items, pos["pending"] = pos["pending"], []
+                yield _collate(batch, items)
+        finally:
+            for gen in ([current] if current is not None else []) + [g for _, g in inflight]:
+                _cancel(ray, gen)
+        self.epoch = epoch + 1
+        self._last_errors = pos["errors"]
+        self._pos = self._start_position()
+
+    def _hand_out(self, ray: Any, gen: Any, pos: dict) -> Iterator:
+        """The items of one task, counted in ``pos`` as they are handed out; returns the task's
+        _Outcome (raising its exception, if it ended with one, after its errors are applied)."""
+        for ref in gen:
+            obj = ray.get(ref)
+            if isinstance(obj, _Outcome):
+                if obj.fatal is not None:
+                    self._errors(obj, pos)
+                    raise obj.fatal
+                return obj
+            for item in obj:
+                pos["taken"] += 1
+                yield item
+        raise RuntimeError("a Ray task ended without its outcome (a bug in ember)")
+
+    def _errors(self, outcome: _Outcome, pos: dict) -> None:
+        """Count a task's handled items and apply on_error to the errors it skipped."""
+        policy = self._on_error
+        policy.count = pos["errors"] + outcome.handled
+        for exc in outcome.skipped:
+            policy(exc)
+        pos["errors"] = policy.count
+
+
+def _collate(batch: tuple[int, Callable | None], items: list) -> Any:
+    return batch[1](items) if batch[1] is not None else items
+
+
+def _cancel(ray: Any, gen: Any) -> None:
+    """Stop a task whose items will not be used (an iteration broken off, an error)."""
+    with contextlib.suppress(Exception):  # already finished, or no generator cancellation
+        ray.cancel(gen)
+
+
+def _check_pipeline(ds: ShardDataset) -> None:
+    """Refuse what a pipeline of per-shard tasks cannot do as locally, naming it."""
+    if ds.resampled:
+        raise ValueError("RayShardLoader does not run resampled=True datasets (each rank reads "
+                         "its share of the shards once per epoch)")
+    if ds.epoch_length is not None:
+        raise ValueError("RayShardLoader does not run with_epoch(n) (an epoch is one pass over "
+                         "the rank's shards; use equalize= for equal ranks)")
+    for name in ("nodesplitter", "workersplitter"):
+        if callable(getattr(ds, name)):
+            raise ValueError(f"RayShardLoader needs {name}='auto' or None (shards are dealt to "
+                             "ranks by ember's plan)")
+    kinds = [kind for kind, _ in ds.stages]
+    for j, kind in enumerate(kinds):
+        if kind == "batched":
+            if j != len(kinds) - 1:
+                raise ValueError(f"RayShardLoader needs batched(n) as the last stage, got "
+                                 f"{kinds[j + 1]!r} after it (map the items before batching)")
+        elif kind not in _PER_SHARD:
+            raise ValueError(f"RayShardLoader does not run the {kind!r} stage (stages it runs: "
+                             f"{', '.join(_PER_SHARD)}, batched)")

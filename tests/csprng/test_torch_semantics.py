@@ -1,0 +1,390 @@
+"""Swapping ``generator=g`` into torch code changes the values and nothing else (issue 24).
+
+Where torch defines the behaviour, each test runs the same call with torch's own generator.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import ember.csprng as csprng
+
+
+def eg(seed: int = 5):
+    return csprng.create_generator(seed)
+
+
+def tg(seed: int = 5):
+    return torch.Generator().manual_seed(seed)
+
+
+def _outcome(call, gen):
+    """("ok", result) or (exception type, None) for ``call(gen)``."""
+    try:
+        return "ok", call(gen)
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return type(e), None
+
+
+def assert_same_outcome(call):
+    """``call`` succeeds for both generators or raises an exception of torch's type for both."""
+    mine, theirs = _outcome(call, eg()), _outcome(call, tg())
+    if theirs[0] == "ok":
+        assert mine[0] == "ok", f"torch succeeds, ember raised {mine[0]}"
+    else:
+        assert mine[0] != "ok", f"torch raises {theirs[0].__name__}, ember returned {mine[1]!r}"
+        assert issubclass(mine[0], theirs[0]), (mine[0], theirs[0])
+    return mine[1], theirs[1]
+
+
+# ---------------------------------------------------------------- 1. nn.init.sparse_
+def test_sparse_init_takes_its_zero_pattern_from_the_generator():
+    def draw(seed):
+        torch.manual_seed(seed)  # torch's global generator differs between the two calls
+        return torch.nn.init.sparse_(torch.empty(16, 12), 0.5, generator=eg(3))
+
+    a, b = draw(1), draw(2)
+    assert torch.equal(a == 0, b == 0)
+    assert torch.equal(a, b)
+    # torch's semantics: ceil(sparsity * rows) zeros in every column
+    assert ((a == 0).sum(0) == 8).all()
+
+
+def test_sparse_init_refuses_what_torch_refuses():
+    assert_same_outcome(lambda g: torch.nn.init.sparse_(torch.empty(4), 0.5, generator=g))
+
+
+# ---------------------------------------------------------------- 2. uniform_ below a
+@pytest.mark.parametrize("dtype,a,b", [
+    (torch.float32, 1.0, 1.00000001), (torch.float16, 0.0, 1e-8),
+    (torch.bfloat16, 255.5, 256.4), (torch.float16, 1.0, 1.0001),
+    (torch.float32, -1e-45, 1e-45), (torch.float64, 1.0, 1.0 + 2**-52),
+])
+def test_uniform_stays_in_a_b_after_rounding_to_the_dtype(dtype, a, b):
+    mine = torch.empty(4096, dtype=dtype).uniform_(a, b, generator=eg())
+    theirs = torch.empty(4096, dtype=dtype).uniform_(a, b, generator=tg())
+    lo = torch.tensor(a, dtype=dtype)
+    assert bool((mine >= lo).all()), float(mine.min())
+    if bool((theirs == lo).all()):  # a and b round to one value of the dtype: torch returns a
+        assert bool((mine == lo).all())
+    small = torch.empty(8, dtype=dtype).uniform_(a, b, generator=eg())
+    assert bool((small >= lo).all())
+
+
+# ---------------------------------------------------------------- 3. normal gradients
+@pytest.mark.parametrize("which", ["both", "mean", "std"])
+def test_normal_with_tensor_parameters_passes_torchs_gradients(which):
+    grads = []
+    for gen in (eg(), tg()):
+        m = torch.full((5,), 0.5, requires_grad=True)
+        s = torch.full((5,), 2.0, requires_grad=True)
+        mean = m if which != "std" else 0.5
+        std = s if which != "mean" else 2.0
+        out = torch.normal(mean, std, generator=gen)
+        assert out.requires_grad
+        (out * torch.arange(5.0)).sum().backward()
+        grads.append((m.grad, s.grad))
+    for mine, theirs in zip(*grads, strict=True):
+        assert (mine is None) == (theirs is None)
+        if theirs is not None:
+            assert torch.equal(mine, theirs)
+
+
+# ---------------------------------------------------------------- 4. inference_mode
+def test_in_place_draws_work_in_inference_mode():
+    with torch.inference_mode():
+        x = torch.empty(10)
+        x.normal_(generator=eg())
+        x.uniform_(generator=eg())
+        y = torch.empty(3, dtype=torch.int64).random_(generator=eg())
+        order = [int(b) for b in torch.utils.data.DataLoader(list(range(6)), shuffle=True,
+                                                              generator=eg())]
+    assert sorted(order) == list(range(6))
+    assert y.shape == (3,)
+    v = torch.zeros(4)  # a normal tensor written inside inference mode: its version moves
+    before = v._version
+    with torch.inference_mode():
+        v.normal_(generator=eg())
+    assert v._version > before
+
+
+# ---------------------------------------------------------------- 5. torch.jit.script
+def test_importing_ember_does_not_break_torch_jit_script():
+    @torch.jit.script
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.rand(3) + torch.randn(3) + torch.rand_like(x)
+        y = y + torch.randint(0, 3, [3]).float() + torch.randperm(3).float()
+        y = y + torch.normal(0.0, 1.0, [3]) + torch.bernoulli(torch.full([3], 0.5))
+        y = y + torch.multinomial(torch.ones(3), 3).float() + torch.poisson(torch.ones(3))
+        return y
+
+    assert noisy(torch.zeros(3)).shape == (3,)
+
+
+# ---------------------------------------------------------------- 6. exponential_ > 0
+def test_exponential_is_never_zero_even_for_the_largest_word():
+    from ember.csprng.distributions import NativeSampler
+
+    class AllOnes:  # every keystream word is 0xff..: the word that gave log(1) = 0
+        def draw(self, nblocks):
+            return self
+
+        def fill(self, buf):
+            buf[:] = b"\xff" * len(buf)
+
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        out = torch.empty(4, dtype=dtype)
+        NativeSampler(AllOnes()).exponential_(out, 1.0)
+        assert bool((out > 0).all()), (dtype, out)
+
+
+# ---------------------------------------------------------------- 7. poisson, large rates
+def test_poisson_at_large_rates_is_fast_and_has_the_right_moments():
+    import time
+
+    for rate in (1e9, 1e12, 1e15):  # the CDF inversion took minutes for 1e5 values at 1e9
+        t0 = time.perf_counter()
+        x = torch.poisson(torch.full((20000,), rate, dtype=torch.float64), generator=eg(9))
+        assert time.perf_counter() - t0 < 2.0
+        z = (x - rate) / math.sqrt(rate)
+        assert abs(float(z.mean())) < 0.05
+        assert abs(float(z.var()) - 1.0) < 0.06
+        assert bool((x == x.floor()).all())
+
+
+@pytest.mark.parametrize("rate", [9.99, 10.0, 37.5, 1e4, 1e7])
+def test_poisson_matches_the_distribution_around_the_method_switch(rate):
+    from scipy import stats
+
+    n = 40000
+    x = torch.poisson(torch.full((n,), rate, dtype=torch.float64), generator=eg(11)).numpy()
+    lo, hi = int(stats.poisson.ppf(1e-4, rate)), int(stats.poisson.ppf(1 - 1e-4, rate))
+    edges = sorted(set(int(e) for e in torch.linspace(lo, hi + 1, 14).tolist()))
+    import numpy as np
+
+    observed = np.histogram(x, bins=[-np.inf] + edges[1:-1] + [np.inf])[0]
+    cdf = stats.poisson.cdf(np.array(edges[1:-1]) - 1, rate)
+    expected = n * np.diff(np.concatenate([[0.0], cdf, [1.0]]))
+    assert stats.chisquare(observed, expected).pvalue > 1e-4
+
+
+# ---------------------------------------------------------------- 8. non-leaf requires_grad
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_in_place_draw_into_a_non_leaf_gives_torchs_zero_gradient(contiguous):
+    grads = []
+    for gen in (eg(), tg()):
+        a = torch.ones(4, 6, requires_grad=True)
+        b = a * 2
+        target = b if contiguous else b.t()
+        target.normal_(generator=gen)
+        b.sum().backward()
+        grads.append(a.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+# ---------------------------------------------------------------- 9. torch.func
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vjp", "jvp"])
+def test_torch_func_transforms_around_a_draw(transform):
+    def f(x):
+        return (x * torch.rand(3, generator=eg()) + torch.empty(3).normal_(generator=eg())).sum()
+
+    def f_vec(x):
+        return x * torch.rand(3, generator=eg())
+
+    x = torch.ones(3)
+    want = torch.rand(3, generator=eg())
+    if transform == "grad":
+        got = torch.func.grad(f)(x)
+    elif transform == "jacrev":
+        got = torch.func.jacrev(f_vec)(x).diagonal()
+    elif transform == "vjp":
+        _, fn = torch.func.vjp(f_vec, x)
+        (got,) = fn(torch.ones(3))
+    else:
+        _, got = torch.func.jvp(f_vec, (x,), (torch.ones(3),))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("draw", [
+    lambda: torch.multinomial(torch.ones(8), 8, generator=eg()).float(),
+    lambda: torch.poisson(torch.full((8,), 3.0), generator=eg()),
+    lambda: torch.bernoulli(torch.full((8,), 0.5), generator=eg()),
+    lambda: torch.normal(torch.zeros(8), torch.ones(8), generator=eg()),
+    lambda: torch.randperm(8, generator=eg()).float(),
+], ids=["multinomial", "poisson", "bernoulli", "normal", "randperm"])
+def test_torch_func_grad_sees_draws_from_tensors_as_constants(draw):
+    want = draw()
+    got = torch.func.grad(lambda x: (x * draw()).sum())(torch.ones(8))
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- 10, 11. integer dtypes
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8, torch.float32])
+def test_randint_and_randperm_fill_out_of_any_dtype_torch_accepts(dtype):
+    for call in (lambda g: torch.randint(0, 10, (7,), out=torch.empty(7, dtype=dtype), generator=g),
+                 lambda g: torch.randperm(7, out=torch.empty(7, dtype=dtype), generator=g)):
+        mine, theirs = assert_same_outcome(call)
+        if theirs is not None:
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+    assert_same_outcome(lambda g: torch.randint(0, 10, (7,), out=torch.empty(7, dtype=dtype),
+                                                dtype=torch.int64, generator=g))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_randint_unsigned_dtypes(dtype):
+    top = torch.iinfo(dtype).max
+    x = torch.randint(0, 10, (500,), dtype=dtype, generator=eg())
+    assert x.dtype == dtype and set(x.tolist()) == set(range(10))
+    y = torch.randint(top - 5, top + 1, (500,), dtype=dtype, generator=eg())
+    assert set(y.tolist()) == set(range(top - 5, top + 1))
+    for call in (lambda g: torch.randint(0, top + 2, (3,), dtype=dtype, generator=g),
+                 lambda g: torch.empty(3, dtype=dtype).random_(generator=g),
+                 lambda g: torch.empty(3, dtype=dtype).bernoulli_(0.5, generator=g),
+                 lambda g: torch.empty(3, dtype=dtype).random_(4, generator=g)):
+        assert_same_outcome(call)
+
+
+def test_randint_uint64_full_range_and_refills():
+    top = 2**64 - 1
+    x = torch.randint(0, top, (2000,), dtype=torch.uint64, generator=eg())  # rejects sometimes
+    assert len(set(x.tolist())) == 2000
+    assert max(x.tolist()) > 2**63  # values above int64's range are written as themselves
+
+
+# ---------------------------------------------------------------- 12. saved states
+def test_saved_state_names_its_cipher_stably(monkeypatch):
+    from ember.csprng import ciphers
+
+    g = csprng.create_generator(4, cipher="chacha20")
+    state = g.get_state()
+    want = torch.rand(8, generator=g)
+    fake = type("Fake", (), {"name": "aaa-fake", "keystream": None})()
+    monkeypatch.setitem(ciphers._CIPHERS, "aaa-fake", fake)
+    h = csprng.create_generator(0)
+    h.set_state(state)
+    assert h.cipher == "chacha20"
+    assert torch.equal(torch.rand(8, generator=h), want)
+
+
+def test_states_saved_by_version_1_still_load():
+    g = csprng.create_generator(4, cipher="chacha20")
+    want = torch.rand(8, generator=csprng.create_generator(4, cipher="chacha20"))
+    v1 = bytearray(72)  # version 1: the cipher as its index in ("aes128", "chacha20")
+    v1[0:4], v1[4], v1[5], v1[6], v1[7] = b"EMBR", 1, 1, 4, 1
+    v1[8:24] = g._stream.key
+    v1[56:72] = (4).to_bytes(16, "little")
+    h = csprng.create_generator(0)
+    h.set_state(torch.frombuffer(v1, dtype=torch.uint8))
+    assert h.cipher == "chacha20" and h.initial_seed() == 4
+    assert torch.equal(torch.rand(8, generator=h), want)
+
+
+# ---------------------------------------------------------------- 13. datapipes
+def test_datapipe_shuffle_in_a_dataloader_is_refused():
+    dp = pytest.importorskip("torch.utils.data.datapipes.iter")
+    pipe = dp.IterableWrapper(list(range(10))).shuffle()
+    loader = torch.utils.data.DataLoader(pipe, batch_size=None, generator=eg())
+    with pytest.raises(TypeError, match="Mersenne"):
+        list(loader)
+    # without a datapipe the loader works as before
+    assert len(list(torch.utils.data.DataLoader(list(range(4)), shuffle=True, generator=eg()))) == 4
+
+
+# ---------------------------------------------------------------- Low: argument rules
+@pytest.mark.parametrize("call", [
+    lambda g: torch.randint(0, 10, generator=g),
+    lambda g: torch.empty(5).random_(0.5, 3.5, generator=g),
+    lambda g: torch.empty(5).random_(1.0, 3, generator=g),
+    lambda g: torch.multinomial(torch.ones(3), 2.0, generator=g),
+    lambda g: torch.rand((2, 3), names=("a", "b"), generator=g),
+    lambda g: torch.randn((2, 3), names=("a", "b"), generator=g),
+    lambda g: torch.empty(3, dtype=torch.complex64).bernoulli_(0.5, generator=g),
+    lambda g: torch.empty(3, dtype=torch.complex64).exponential_(generator=g),
+    lambda g: torch.empty(3, dtype=torch.complex64).geometric_(0.5, generator=g),
+    lambda g: torch.empty(3, dtype=torch.complex64).cauchy_(generator=g),
+], ids=["randint-no-size", "random_-floats", "random_-float-from", "multinomial-float",
+        "rand-names", "randn-names", "complex-bernoulli_", "complex-exponential_",
+        "complex-geometric_", "complex-cauchy_"])
+def test_argument_rules_follow_torch(call):
+    assert_same_outcome(call)
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: torch.randint(0, 10, size=(3,), generator=g),
+    lambda g: torch.empty(5).random_(torch.tensor(1), torch.tensor(4), generator=g),
+    lambda g: torch.empty(5).random_(to=5, generator=g),
+    lambda g: torch.multinomial(torch.ones(3), torch.tensor(2), generator=g),
+])
+def test_calls_torch_accepts_still_work(call):
+    mine, theirs = assert_same_outcome(call)
+    assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+
+
+@pytest.mark.parametrize("index", [1.5, "7", None])
+def test_fold_in_refuses_what_manual_seed_refuses(index):
+    with pytest.raises(TypeError):
+        eg().fold_in(index)
+    assert eg().fold_in(7).counter == 0
+
+
+def test_normal_on_a_conjugate_view_like_torch():
+    for gen in (eg(), tg()):
+        x = torch.zeros(64, dtype=torch.complex64).conj()
+        x.normal_(3.0, 2.0, generator=gen)
+        assert x.is_conj()
+        assert abs(float(x.real.mean()) - 3.0) < 0.6 and abs(float(x.imag.mean()) - 3.0) < 0.6
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_while_another_thread_holds_a_generator_lock_does_not_deadlock(tmp_path):
+    code = textwrap.dedent("""
+        import os, threading, time
+        import torch, ember.csprng as csprng
+        g = csprng.create_generator(1)
+        holding, release = threading.Event(), threading.Event()
+        def hold():
+            with g._stream._lock, g._lock:
+                holding.set()
+                release.wait()
+        t = threading.Thread(target=hold)
+        t.start()
+        holding.wait()
+        pid = os.fork()
+        if pid == 0:
+            torch.rand(4, generator=g)
+            g.spawn(1)
+            os._exit(0)
+        release.set()
+        t.join()
+        for _ in range(200):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("child exit", os.waitstatus_to_exitcode(status))
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            print("child deadlocked")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert res.stdout.strip() == "child exit 0", res.stdout + res.stderr
+
+
+def test_generator_still_usable_from_several_threads():
+    g = eg()
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(torch.rand(100, generator=g)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({tuple(o.tolist()) for o in outs}) == 4
