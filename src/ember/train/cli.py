@@ -264,14 +264,12 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.num_classes is None:
-        raise ConfigError("--num-classes is needed: there is no classes.json next to the --data "
-                          "shards (`ember shards create` writes one)")
-    for name in ("num_classes", "hidden", "batch_size", "epochs", "accumulate"):
+    """The options on their own (before any data is looked at)."""
+    for name in ("hidden", "batch_size", "epochs", "accumulate"):
         value = getattr(args, name)
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.num_classes < 2:
+    if args.num_classes is not None and args.num_classes < 2:
         raise ConfigError(f"--num-classes must be >= 2, got {args.num_classes}")
     if args.shuffle_buffer < 0 or args.workers < 0:
         raise ConfigError("--shuffle-buffer and --workers must be >= 0")
@@ -392,7 +390,13 @@ def _class_names(args: argparse.Namespace) -> list[str] | None:
 
     names = read_class_names(args.data)
     if names is None:
+        if args.num_classes is None:
+            raise ConfigError("--num-classes is needed: there is no classes.json next to the "
+                              "--data shards (`ember shards create` writes one)")
         return None
+    if len(names) < 2:
+        raise ConfigError(f"the classes.json next to --data names {len(names)} class(es); "
+                          "training needs at least 2")
     if args.num_classes is None:
         args.num_classes = len(names)
     elif args.num_classes != len(names):
@@ -435,12 +439,12 @@ def run(args: argparse.Namespace) -> int:
     from ember.train.distributed import all_gather_objects, init_from_env
     from ember.train.loop import TrainConfig, fit
 
+    _check_args(args)
+    args.image_size = _image_size(args.image_size)
     urls = check_shards(args.data, "--data")
     if args.eval_data:
         check_shards(args.eval_data, "--eval-data")
     names = _class_names(args)
-    _check_args(args)
-    args.image_size = _image_size(args.image_size)
     _prepare_out(args.out, args.resume, args.force)
     config = TrainConfig(
         epochs=args.epochs, precision=args.precision, accumulate=args.accumulate,
