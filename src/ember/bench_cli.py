@@ -16,9 +16,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import sys
+    import time
+
+    # the run is silent while it measures (a progress bar would disturb the timings): say what
+    # it does and about how long it takes before it starts
+    sizes, took = ("1 and 16 MiB", "10-20 s") if args.quick else ("1 and 64 MiB", "25-40 s")
+    print(f"ember bench csprng: timing ember.csprng (AES-128-CTR) against torch's default "
+          f"generator, side by side in interleaved repetitions: keystream, rand, randn, "
+          f"randint, bernoulli at {sizes} and randperm; this takes about {took} on an idle "
+          "machine" + ("" if args.quick else " (--quick: a shorter run)") + "...",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
     from ember.csprng.benchmark import format_table, run
 
     rows = run(quick=args.quick)
+    print(f"ember bench csprng: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print(format_table(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

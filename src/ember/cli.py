@@ -7,36 +7,70 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Each module named here exposes ``register(subparsers)``; it adds its sub-command and sets
-# ``func`` on the parsed namespace. Modules are imported only when the command line is built.
-_COMMAND_MODULES = (
-    "ember.demo",
-    "ember.bench_cli",
-    "ember.shards.cli",
-    "ember.train.cli",
-)
+# command -> (the module whose ``register(subparsers)`` adds it and sets ``func`` on the parsed
+# namespace, its line in `ember --help`). Only the module of the command being run is imported,
+# so `ember --help` and `ember --version` do not import torch.
+_COMMANDS = {
+    "demo": ("ember.demo", "a pre-specified SGD/SWA/SWAG experiment on noisy digits, DP-SGD, "
+             "speed; writes report.html"),
+    "bench": ("ember.bench_cli", "run a benchmark and print its table"),
+    "shards": ("ember.shards.cli", "inspect and re-shard WebDataset tar shards"),
+    "train": ("ember.train.cli", "train a classifier on your own image + cls shards"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _version() -> str:
+    from importlib import metadata
+
+    from ember import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"ember {__version__} (torch {torch}, Python {sys.version.split()[0]})"
+
+
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``ember`` parser with the full options of ``commands`` (default: every command); the
+    others are listed by name and help line only."""
     parser = argparse.ArgumentParser(
         prog="ember",
         description="ember: secure randomness, tar-shard streaming, weight averaging and "
         "training for PyTorch.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real missing dependency inside the module: report it
-                raise
-            continue
-        module.register(sub)
+    full = set(_COMMANDS if commands is None else commands)
+    for name, (module_name, help_line) in _COMMANDS.items():
+        if name in full:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if exc.name != module_name:  # a real missing dependency inside it: report it
+                    raise
+            else:
+                module.register(sub)
+                continue
+        sub.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The sub-command named on the command line, if any (the first argument that is not an
+    option: the top level has no options that take values)."""
+    for arg in argv:
+        if arg == "--":
+            return None
+        if not arg.startswith("-"):
+            return arg if arg in _COMMANDS else None
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command(argv)
+    parser = build_parser([command] if command else [])
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -131,8 +131,9 @@ def test_cat_plain_lists_field_sizes(shards, capsys):
     pattern, keys = shards
     assert main(["shards", "cat", pattern, "-n", "12"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"{keys[0]} bin=16 cls=1"
-    assert lines[11] == f"{keys[11]} bin=16 cls=2"  # stops after 12, across a shard boundary
+    # sizes are labelled as bytes: "cls=1" read as class 1 (issue 26)
+    assert lines[0] == f"{keys[0]}  bin: 16 bytes, cls: 1 bytes"
+    assert lines[11] == f"{keys[11]}  bin: 16 bytes, cls: 2 bytes"  # after 12, across shards
     assert len(lines) == 12
 
 
@@ -225,7 +226,7 @@ def test_bad_numbers_are_refused(shards, tmp_path, capsys):
     assert "-n must be >= 0" in capsys.readouterr().err
     assert main(["shards", "split", pattern, "-q", "-o", str(tmp_path / "p-%02d.tar"),
                  "--maxcount", "0"]) == 2
-    assert "maxcount >= 1" in capsys.readouterr().err
+    assert "--maxcount must be a whole number >= 1" in capsys.readouterr().err
     assert main(["shards", "shuffle", pattern, "-q", "-o", str(tmp_path / "p-%02d.tar"),
                  "--buffer", "-3"]) == 2
     assert "--buffer must be >= 0" in capsys.readouterr().err

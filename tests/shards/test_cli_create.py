@@ -58,7 +58,10 @@ def test_create_from_image_folder_reads_back_in_webdataset(image_folder, tmp_pat
 def test_create_from_file_list(tmp_path, capsys):
     for name in ["a/x.jpg", "a/x.json", "b/y.jpg"]:
         (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_bytes(name.encode())
+        if name.endswith(".jpg"):  # create decodes every image (issue 26): a real JPEG
+            Image.new("RGB", (6, 4), (200, 10, 10)).save(tmp_path / name, format="JPEG")
+        else:
+            (tmp_path / name).write_bytes(name.encode())
     (tmp_path / "files.txt").write_text("a/x.jpg\na/x.json\nb/y.jpg\n")
     out = tmp_path / "o-%02d.tar"
     assert main(["shards", "create", "--list", str(tmp_path / "files.txt"), "-o", str(out),
@@ -133,5 +136,6 @@ def test_create_reads_a_tar_stream_from_stdin(tmp_path, monkeypatch, capsys, mak
     assert main(["shards", "create", "-", "-o", str(out), "--maxcount", "3", "-q"]) == 0
     assert "wrote 7 samples to 3 shards" in capsys.readouterr().out
     got = list(wds.WebDataset(expand_urls(str(tmp_path / "o-{00..02}.tar")), shardshuffle=False))
-    assert [s["__key__"] for s in got] == [f"./s{j}" for j in range(7)]
+    # keys lose tar's leading "./" (issue 26)
+    assert [s["__key__"] for s in got] == [f"s{j}" for j in range(7)]
     assert [s["txt"] for s in got] == [f"text {j}".encode() for j in range(7)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -212,7 +213,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo", help="a pre-specified SGD/SWA/SWAG experiment on noisy digits, DP-SGD, speed; "
         "writes report.html",
-        description="Write scikit-learn's bundled digits as tar shards (40%% of the training "
+        description="Write scikit-learn's bundled digits as tar shards (40% of the training "
         "labels wrong), stream them with an ember.csprng shuffle, train SGD (cosine), "
         "early-stopped SGD and SWA runs for several seeds, and compare them with SWAG and "
         "MultiSWAG on clean, noisy and "
@@ -237,6 +238,19 @@ def _main(args: argparse.Namespace) -> int:
         print(f"ember demo: error: needs {' and '.join(missing)}; install them with "
               "pip install 'ember[demo]'", file=sys.stderr)
         return 2
-    run_demo(args.out, quick=args.quick, progress=not args.no_progress,
-             benchmark=not args.no_benchmark, dp=not args.no_dp)
+    try:  # an --out that cannot be written is found before the minutes of work, not after
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / f".ember-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        print(f"ember demo: error: --out {args.out}: cannot write there "
+              f"({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    try:
+        run_demo(args.out, quick=args.quick, progress=not args.no_progress,
+                 benchmark=not args.no_benchmark, dp=not args.no_dp)
+    except OSError as exc:  # e.g. the disk filled up while writing the outputs
+        print(f"ember demo: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     return 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -15,9 +17,10 @@ import torch
 from tqdm import tqdm
 
 from ember.shards.dataset import ShardDataset
-from ember.shards.decode import IMAGE_EXTENSIONS
+from ember.shards.decode import IMAGE_EXTENSIONS, MAX_PIXELS
 from ember.shards.errors import ShardError
 from ember.shards.index import (
+    INDEX_SUFFIX,
     build_index,
     index_path,
     read_index,
@@ -63,7 +66,7 @@ def _ls(args) -> int:
     total = 0
     with _progress(_urls(args), args) as bar:
         for url in bar:
-            n = sample_count(url, _options(args))
+            n = sum(1 for _ in _read(url)) if url == "-" else sample_count(url, _options(args))
             total += n
             print(f"{n}\t{url}")
     print(f"{total}\ttotal")
@@ -108,8 +111,11 @@ def _cat(args) -> int:
                           for k, v in s.items() if k[:2] != "__"}
                 if args.json:
                     print(json.dumps({"__key__": s["__key__"], **fields}))
-                else:
+                elif args.values:
                     print(s["__key__"], " ".join(f"{k}={v}" for k, v in fields.items()))
+                else:  # sizes, labelled so that `cls: 1 bytes` does not read as class 1
+                    print(f"{s['__key__']}  "
+                          + ", ".join(f"{k}: {v} bytes" for k, v in fields.items()))
                 if left is not None:
                     left -= 1
                     if left == 0:
@@ -249,9 +255,73 @@ def _post(command: str | None) -> Callable[[str], None] | None:
     return run
 
 
+def _existing_outputs(pattern: str) -> list[str]:
+    """Files already present that a run of ``pattern`` could leave beside its new shards: shards
+    of that pattern (any number) and their ``.idx`` files."""
+    probe = shard_path(pattern, 123456789)
+    prefix, sep, suffix = probe.partition("123456789")
+    if not sep:
+        return []
+    folder, start = os.path.split(prefix)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return []
+    found = []
+    for name in sorted(names):
+        shard = name[: -len(INDEX_SUFFIX)] if name.endswith(INDEX_SUFFIX) else name
+        if not (shard.startswith(start) and shard.endswith(suffix)):
+            continue
+        number = shard[len(start) : len(shard) - len(suffix)]
+        if number.isdigit() and os.path.basename(shard_path(pattern, int(number))) == shard:
+            found.append(os.path.join(folder, name))
+    return found
+
+
+def _check_overwrite(args) -> list[str]:
+    """Refuse to write over existing shards (or their stale ``.idx`` files) unless ``--force``;
+    returns the files that the finished run must remove (the old ones it did not replace)."""
+    existing = _existing_outputs(args.output)
+    if existing and not args.force:
+        more = f" and {len(existing) - 2} more" if len(existing) > 2 else ""
+        raise ValueError(f"{', '.join(existing[:2])}{more} already exist for -o {args.output}; "
+                         "pass --force to replace them (all shards and .idx files of that "
+                         "pattern), or choose another -o")
+    return existing
+
+
 def _writer(args) -> ShardWriter:
-    return ShardWriter(args.output, maxcount=args.maxcount, maxsize=args.maxsize, encode=False,
+    return ShardWriter(args.output, maxcount=_count(args.maxcount),
+                       maxsize=_byte_size(args.maxsize), encode=False,
                        post=_post(getattr(args, "post", None)))
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def _byte_size(text: str) -> int:
+    """``--maxsize``: a number of bytes with an optional unit (``3e9``, ``500MB``, ``1GiB``)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"--maxsize expects a size such as 3e9, 500MB or 1GiB, got {text!r}")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value < 1:
+        raise ValueError(f"--maxsize must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def _count(text: str) -> int:
+    """``--maxcount``: a positive whole number (``100000`` or ``1e5``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (1 <= value < 2**63 and value == int(value)):
+        raise ValueError(f"--maxcount must be a whole number >= 1, got {text!r}")
+    return int(value)
 
 
 def _stem(url: str | None) -> str:
@@ -303,8 +373,10 @@ def _check_written(shards: list[str], keys: list[str]) -> None:
                          f"expected {len(keys)} ({what}); the output was removed")
 
 
-def _write_all(args, urls: list[str], samples, join: bool = False) -> int:
+def _write_all(args, urls: list[str], samples, join: bool = False,
+               finish: Callable[[], None] | None = None) -> int:
     _check_output(args.output, urls)
+    old = _check_overwrite(args)
     w = _writer(args)
     keys: list[str] = []
     try:
@@ -318,7 +390,15 @@ def _write_all(args, urls: list[str], samples, join: bool = False) -> int:
             with contextlib.suppress(OSError):
                 os.remove(path)
         raise
-    print(f"wrote {w.total} samples to {len(w.shards)} shards (read back and checked)")
+    written = {os.path.abspath(p) for p in w.shards}
+    for path in old:  # --force: old shards beyond the new ones and every old .idx go
+        if os.path.abspath(path) not in written:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    if finish is not None:
+        finish()
+    print(f"wrote {w.total} samples to {len(w.shards)} shards (read back and checked)"
+          + (f"; replaced {len(old)} files that were there (--force)" if old else ""))
     return 0
 
 
@@ -338,8 +418,16 @@ def _gzipped(path: str) -> bool:
         return False  # reported when the shard is read
 
 
+def _no_stdin(urls: list[str], why: str) -> None:
+    if "-" in urls:
+        raise ValueError(f"'-' (a tar stream on standard input) cannot be read here: {why}; "
+                         "write the stream to shards first (`ember shards split - -o "
+                         "in-%06d.tar`)")
+
+
 def _shuffle(args) -> int:
     urls = _urls(args)
+    _no_stdin(urls, "shuffle reads its input shards more than once")
     if args.buffer < 0:
         raise ValueError(f"--buffer must be >= 0, got {args.buffer}")
     if args.buffer:
@@ -363,17 +451,64 @@ def _shuffle(args) -> int:
         return _write_all(args, urls, ({**read_sample(u, span), "__url__": u} for u, span in bar))
 
 
-def _folder_samples(root: str, classes: list[str]):
+def _folder_images(root: str, classes: list[str]) -> list[tuple[int, str, str, str]]:
+    """``(class index, class name, file stem, path)`` of every image file of an ImageFolder."""
+    found = []
     for index, name in enumerate(classes):
         folder = os.path.join(root, name)
         for fname in sorted(os.listdir(folder)):
             path = os.path.join(folder, fname)
             stem, dot, ext = fname.rpartition(".")
-            if not dot or ext.lower() not in IMAGE_EXTENSIONS or not os.path.isfile(path):
-                continue
-            with open(path, "rb") as f:
-                data = f.read()
-            yield {"__key__": f"{name}/{stem}", ext.lower(): data, "cls": str(index).encode()}
+            if dot and ext.lower() in IMAGE_EXTENSIONS and os.path.isfile(path):
+                found.append((index, name, stem, path))
+    return found
+
+
+def _folder_samples(images: list[tuple[int, str, str, str]]):
+    for index, name, stem, path in images:
+        with open(path, "rb") as f:
+            data = f.read()
+        ext = path.rpartition(".")[2].lower()
+        yield {"__key__": f"{name}/{stem}", ext: data, "cls": str(index).encode(),
+               "__path__": path}
+
+
+def _image_problem(data: bytes) -> str | None:
+    """Why ``data`` is not an image Pillow can decode (within the pixel limit), or None."""
+    import warnings as _warnings
+
+    from PIL import Image
+
+    try:
+        with _warnings.catch_warnings():
+            _warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            w, h = img.size
+            if w * h > MAX_PIXELS:
+                return f"{w}x{h} pixels is over the limit of {MAX_PIXELS}"
+            img.load()
+    except Image.UnidentifiedImageError:
+        return "not an image Pillow can read"
+    except Exception as exc:  # truncated or corrupt image data: Pillow raises many types
+        return f"does not decode ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _checked_images(samples, source: str):
+    """The samples, each image field decoded once to prove it is an image (a text file named
+    ``x.png`` is refused here instead of failing later in training); keys lose a leading
+    ``./`` (as `tar cf - -C dir .` writes them)."""
+    for s in samples:
+        if s["__key__"].startswith("./"):
+            s = {**s, "__key__": s["__key__"][2:]}
+        for k, v in s.items():
+            if k[:2] != "__" and k.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS:
+                problem = _image_problem(bytes(v))
+                if problem is not None:
+                    where = s.get("__path__") or (f"sample {s['__key__']!r} field {k!r} of "
+                                                  f"{source}")
+                    raise ValueError(f"{where}: {problem}; remove it, or fix it, and run again")
+        yield {k: v for k, v in s.items() if k != "__path__"}
 
 
 def _list_samples(list_file: str):
@@ -410,8 +545,10 @@ def _list_samples(list_file: str):
 def _create(args) -> int:
     src = args.source
     if src == "-":  # a tar stream on standard input: what `split -` does
-        args.urls = ["-"]
-        return _reshard(args)
+        with _progress(_checked_images(_read("-"), "standard input"), args, unit="sample") as bar:
+            return _write_all(args, ["-"], bar, join=True)
+    finish = None
+    total = None
     if args.list:
         samples = _list_samples(src)
     else:
@@ -423,17 +560,32 @@ def _create(args) -> int:
         if not classes:
             raise ValueError(f"{src} has no class subfolders (ImageFolder layout)")
         out_dir = os.path.dirname(os.path.abspath(shard_path(args.output, 0)))
-        os.makedirs(out_dir, exist_ok=True)
         classes_path = os.path.join(out_dir, "classes.json")
-        with open(classes_path, "w", encoding="utf-8") as f:
-            json.dump({"classes": classes}, f)
-        samples = _folder_samples(src, classes)
-    with _progress(samples, args, unit="sample") as bar:
-        return _write_all(args, [], bar)
+        if os.path.exists(classes_path) and not args.force:
+            with open(classes_path, encoding="utf-8") as f:
+                same = f.read() == json.dumps({"classes": classes})
+            if not same:
+                raise ValueError(f"{classes_path} already exists and names other classes; "
+                                 "pass --force to replace it, or write to another folder")
+        os.makedirs(out_dir, exist_ok=True)
+
+        def finish() -> None:  # written once the shards are: a failed run leaves nothing
+            with open(classes_path, "w", encoding="utf-8") as f:
+                json.dump({"classes": classes}, f)
+
+        images = _folder_images(src, classes)
+        total = len(images)
+        samples = _folder_samples(images)
+    bar = tqdm(_checked_images(samples, src), total=total, disable=args.quiet, unit="sample",
+               file=sys.stderr)
+    with bar:
+        return _write_all(args, [], bar, finish=finish)
 
 
 def _index(args) -> int:
-    with _progress(_urls(args), args) as bar:
+    urls = _urls(args)
+    _no_stdin(urls, "index writes .idx files next to local shard files")
+    with _progress(urls, args) as bar:
         for url in bar:
             path = write_index(url, _options(args))
             with open(path) as f:
@@ -450,7 +602,10 @@ def _guarded(name: str, fn: Callable) -> Callable:
         try:
             return fn(args)
         except (ShardError, ValueError, OSError, ImportError) as exc:
-            print(f"ember shards {name}: error: {exc}", file=sys.stderr)
+            # in the command's own terms: the flag, not the Python argument
+            message = " ".join(str(exc).replace("pass allow_pipe=True", "pass --allow-pipe")
+                               .split())
+            print(f"ember shards {name}: error: {message}", file=sys.stderr)
             return 2
 
     return run
@@ -478,6 +633,10 @@ def register(subparsers) -> None:
                            "a text file of relative paths, or '-': a tar stream on standard "
                            "input")
             q.add_argument("--list", action="store_true", help="SOURCE is a file list")
+        elif name in ("index", "shuffle"):  # they read shards by byte offset: files only
+            q.add_argument("urls", nargs="+", help="shard paths or URLs; brace patterns expand"
+                           + ("" if name == "index" else " (a global shuffle needs local "
+                              "shards; --buffer N takes any URLs)"))
         else:
             q.add_argument("urls", nargs="+", help="shard paths or URLs; brace patterns expand; "
                            "'-' reads a tar stream from standard input")
@@ -492,8 +651,13 @@ def register(subparsers) -> None:
         q.add_argument("--allow-pipe", action="store_true", help="allow pipe:CMD URLs")
         if name in ("split", "merge", "shuffle", "create"):
             q.add_argument("-o", "--output", required=True, help="pattern, e.g. out-%%06d.tar")
-            q.add_argument("--maxcount", type=int, default=100_000, help="samples per shard")
-            q.add_argument("--maxsize", type=float, default=3e9, help="bytes per shard")
+            q.add_argument("--maxcount", default="100000", metavar="N",
+                           help="samples per shard (default: %(default)s)")
+            q.add_argument("--maxsize", default="3GB", metavar="SIZE",
+                           help="bytes per shard, with an optional unit: 500MB, 1GB, 1GiB "
+                           "(default: 3GB)")
+            q.add_argument("--force", action="store_true", help="replace shards (and .idx "
+                           "files) of the output pattern that already exist")
             q.add_argument("--post", default=None, help="command run on each finished shard "
                            "({} is its path; e.g. 'aws s3 cp {} s3://bucket/'); a failure stops")
         if name == "shuffle":

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ember.shards import plan, stages
+from ember.shards.checks import integer
 from ember.shards.decode import Decoder
 from ember.shards.errors import ShardError
 from ember.shards.index import read_index
@@ -127,7 +128,7 @@ class ShardDataset(IterableDataset):
                              "workersplitter='auto'): with other splitters a rank cannot know "
                              "what the other ranks read")
         self.shuffle_shards = shuffle_shards
-        self.seed = int(seed)
+        self.seed = integer(seed, "seed")
         self.generator = generator
         self.rank, self.world_size = rank, world_size
         policy = _ErrorPolicy(on_error)  # validates on_error
@@ -207,7 +208,10 @@ class ShardDataset(IterableDataset):
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> ShardDataset:
         """Shuffle samples through a buffer of ``bufsize`` (reproducible per seed and epoch)."""
-        return self._with("shuffle", int(bufsize), initial)
+        bufsize = integer(bufsize, "bufsize", minimum=0)
+        if initial is not None:
+            initial = integer(initial, "initial", minimum=0)
+        return self._with("shuffle", bufsize, initial)
 
     def decode(self, *handlers: str | Callable, only: str | list[str] | None = None,
                allow_pickle: bool = False, max_pixels: int | None = 89_478_485,
@@ -280,7 +284,8 @@ class ShardDataset(IterableDataset):
                 partial: bool = True) -> ShardDataset:
         """Group items into batches of ``batchsize`` (collated by ``collation_fn``, or lists if
         None); each worker's last batch may be short unless ``partial=False``."""
-        return self._with("batched", int(batchsize), collation_fn, partial)
+        return self._with("batched", integer(batchsize, "batchsize", minimum=1), collation_fn,
+                          partial)
 
     def with_epoch(self, n: int) -> ShardDataset:
         """Make every epoch yield exactly ``n`` items per reading stream (rank x worker).

@@ -75,6 +75,10 @@ def imagehandler(spec: str, *, max_pixels: int | None = MAX_PIXELS) -> Handler:
                 img = Image.open(io.BytesIO(data))
             except Image.DecompressionBombWarning as exc:
                 raise ValueError(f"image refused as a decompression bomb: {exc}") from None
+            except Image.UnidentifiedImageError:
+                # Pillow's message names an in-memory BytesIO object, which tells the user nothing
+                raise ValueError(f"not an image Pillow can read ({len(data)} bytes starting "
+                                 f"{bytes(data[:8])!r})") from None
             w, h = img.size
             if max_pixels is not None and w * h > max_pixels:
                 raise ValueError(f"image of {w}x{h} pixels exceeds max_pixels={max_pixels}")

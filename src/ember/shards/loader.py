@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import DataLoader
 
 from ember.shards import stages
+from ember.shards.checks import integer
 from ember.shards.rebatch import LoaderStages
 from ember.shards.resume import STATE_VERSION, _EpochCell
 from ember.shards.transfer import TransferArena
@@ -121,16 +122,13 @@ class ShardLoader:
     def shuffle(self, bufsize: int) -> ShardLoader:
         """Shuffle items across workers through a buffer of ``bufsize`` (reproducible per seed
         and epoch; the buffer is part of state_dict())."""
-        if int(bufsize) < 1:
-            raise ValueError(f"expected bufsize >= 1, got {bufsize!r}")
-        return self._with("shuffle", int(bufsize))
+        return self._with("shuffle", integer(bufsize, "bufsize", minimum=1))
 
     def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
                 partial: bool = True) -> ShardLoader:
         """Group items into batches of ``batchsize`` in the main process (across workers)."""
-        if int(batchsize) < 1:
-            raise ValueError(f"expected batchsize >= 1, got {batchsize!r}")
-        return self._with("batched", int(batchsize), collation_fn, partial)
+        return self._with("batched", integer(batchsize, "batchsize", minimum=1), collation_fn,
+                          partial)
 
     def with_length(self, n: int) -> ShardLoader:
         """Declare how many items an epoch of this loader yields: ``len()`` returns it."""

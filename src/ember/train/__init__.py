@@ -7,20 +7,26 @@ DistributedDataParallel under torchrun; the Multi-SWA and SWAP procedures built 
 :mod:`ember.train.recipes`. See docs/train.md.
 """
 
-from ember.train.checkpoint import load_checkpoint, save_checkpoint, weights_digest
-from ember.train.data import check_shards, image_class_loader, peek_image_shape
-from ember.train.errors import ConfigError
-from ember.train.loop import TrainConfig, TrainResult, evaluate, fit, predict
-from ember.train.noise import GaussianGradientNoise
-from ember.train.precision import PRECISIONS, Precision
-from ember.train.privacy import PrivacyConfig
-from ember.train.recipes import (
-    SWAPResult,
-    refine_and_average,
-    refine_locally,
-    swap_fit,
-    train_multiswa,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the module defining it. Imported on first use, so that `ember train --help` (which
+# imports ember.train.cli, and with it this package) does not import torch.
+_EXPORTS = {
+    "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
+    "weights_digest": "checkpoint",
+    "check_shards": "data", "image_class_loader": "data", "peek_image_shape": "data",
+    "ConfigError": "errors",
+    "TrainConfig": "loop", "TrainResult": "loop", "evaluate": "loop", "fit": "loop",
+    "predict": "loop",
+    "GaussianGradientNoise": "noise",
+    "PRECISIONS": "precision", "Precision": "precision",
+    "PrivacyConfig": "privacy",
+    "SWAPResult": "recipes", "refine_and_average": "recipes", "refine_locally": "recipes",
+    "swap_fit": "recipes", "train_multiswa": "recipes",
+}
 
 __all__ = [
     "PRECISIONS",
@@ -45,3 +51,32 @@ __all__ = [
     "train_multiswa",
     "weights_digest",
 ]
+
+if TYPE_CHECKING:
+    from ember.train.checkpoint import load_checkpoint, save_checkpoint, weights_digest
+    from ember.train.data import check_shards, image_class_loader, peek_image_shape
+    from ember.train.errors import ConfigError
+    from ember.train.loop import TrainConfig, TrainResult, evaluate, fit, predict
+    from ember.train.noise import GaussianGradientNoise
+    from ember.train.precision import PRECISIONS, Precision
+    from ember.train.privacy import PrivacyConfig
+    from ember.train.recipes import (
+        SWAPResult,
+        refine_and_average,
+        refine_locally,
+        swap_fit,
+        train_multiswa,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ember.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ember.train.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

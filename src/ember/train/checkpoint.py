@@ -40,7 +40,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types for a file that is not its format
+        first = str(exc).strip().split(". ")[0].splitlines()[0] if str(exc).strip() \
+            else type(exc).__name__
+        raise ConfigError(f"{path} is not an ember.train checkpoint (torch.load: "
+                          f"{first[:200]})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"{path} is not an ember.train checkpoint (expected format {FORMAT!r})")
     return state

@@ -9,17 +9,27 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
+import os
+import re
 import sys
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ember.train.errors import ConfigError
-from ember.train.precision import PRECISIONS
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = ["build_model", "register", "run"]
+
+# the precisions of ember.train.precision.PRECISIONS, here so that `ember --help` and argument
+# parsing do not import torch
+_PRECISIONS = ("fp32", "bf16", "fp16")
+
+# files of a run in --out: a new run refuses to replace them without --force
+_RUN_FILES = ("model.pt", "swa.pt", "summary.json", "metrics.jsonl", "checkpoints/last.pt")
 
 _EPILOG = """\
 outputs (in --out, written by rank 0):
@@ -31,7 +41,17 @@ outputs (in --out, written by rank 0):
                        "privacy": q, sigma, delta, steps, accountant, epsilon
 
 data convention: each sample holds one image (png, jpg, jpeg, ppm, pgm, webp, ...) and an
-integer class in a .cls member, as written by ember.shards.ShardWriter or webdataset.
+integer class in a .cls member, as written by `ember shards create FOLDER -o PATTERN` (from a
+folder with one subfolder of images per class), ember.shards.ShardWriter or webdataset. Images of
+any size and mode: each is converted to RGB (or grayscale), scaled (bilinear, aspect kept) until it
+covers --image-size and center-cropped to it (torchvision's Resize + CenterCrop). The class names
+of a classes.json next to the shards (written by `ember shards create`) name the classes in the
+summary and give the default --num-classes.
+
+bad data: a corrupt or truncated shard, an image that does not decode or a sample without .cls
+stops the run with one line naming the shard, the sample and the cause (exit status 2);
+--skip-bad skips it instead (the rest of a bad shard, or the bad sample) and counts it in the
+summary.
 
 several processes: torchrun --nproc_per_node=2 --no-python ember train --data ... (each rank reads
 its own shards, the same number of batches each; checkpoints must be on a shared filesystem).
@@ -40,6 +60,8 @@ its own shards, the same number of batches each; checkpoints must be on a shared
 
 def build_model(kind: str, input_shape: tuple[int, ...], num_classes: int, hidden: int) -> nn.Module:
     """A small classifier for images of ``input_shape`` = (channels, height, width)."""
+    from torch import nn
+
     channels = input_shape[0]
     if kind == "mlp":
         features = 1
@@ -69,10 +91,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                       ".tar' (quote it), local paths, file:, http(s)://, s3://")
     data.add_argument("--eval-data", metavar="URLS",
                       help="test shards evaluated after every epoch (accuracy, NLL)")
-    data.add_argument("--num-classes", type=int, required=True, metavar="N",
-                      help="number of classes; labels in .cls must lie in [0, N)")
+    data.add_argument("--num-classes", type=int, default=None, metavar="N",
+                      help="number of classes; labels in .cls must lie in [0, N) (default: the "
+                      "number of names in the classes.json next to the --data shards)")
     data.add_argument("--grayscale", action="store_true",
                       help="decode images as 1-channel grayscale (default: RGB)")
+    data.add_argument("--image-size", default=None, metavar="S|HxW",
+                      help="train on S x S (or H x W) images: each image is scaled, aspect kept, "
+                      "until it covers that size, then center-cropped (default: the size of the "
+                      "first image)")
+    data.add_argument("--skip-bad", action="store_true",
+                      help="skip corrupt shards (their rest) and samples that do not decode, "
+                      "counting them in the summary (default: stop with an error naming them)")
     data.add_argument("--shuffle-buffer", type=int, default=1000, metavar="N",
                       help="sample shuffle buffer; 0 reads in order (default: %(default)s)")
     data.add_argument("--workers", type=int, default=0, metavar="N",
@@ -96,7 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--weight-decay", type=float, default=5e-4,
                        help="SGD weight decay (default: %(default)s)")
     loop = p.add_argument_group("training loop")
-    loop.add_argument("--precision", choices=PRECISIONS, default="fp32",
+    loop.add_argument("--precision", choices=_PRECISIONS, default="fp32",
                       help="fp32; bf16 autocast; fp16 autocast with GradScaler (overflowing steps "
                       "skipped and counted) (default: %(default)s)")
     loop.add_argument("--accumulate", type=int, default=1, metavar="K",
@@ -146,32 +176,121 @@ def register(sub: argparse._SubParsersAction) -> None:
     run_.add_argument("--resume", default=None, metavar="PATH|auto",
                       help="continue from a checkpoint file or directory; 'auto' resumes from "
                       "DIR/checkpoints/last.pt if it exists")
+    run_.add_argument("--force", action="store_true",
+                      help="replace the run already in --out (its model.pt, swa.pt, summary.json, "
+                      "metrics.jsonl and checkpoints/last.pt are deleted first)")
     run_.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_main)
 
 
+def _image_size(text: str | None) -> tuple[int, int] | None:
+    """``--image-size``: ``S`` or ``HxW``."""
+    if text is None or isinstance(text, tuple):
+        return text
+    parts = str(text).lower().split("x")
+    try:
+        sizes = [int(v) for v in parts]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (1, 2) or min(sizes) < 1 or max(sizes) > 65535:
+        raise ConfigError(f"--image-size must be S or HxW, whole numbers in [1, 65535], got "
+                          f"{text!r}")
+    return (sizes[0], sizes[0]) if len(sizes) == 1 else (sizes[0], sizes[1])
+
+
+# option names of TrainConfig / PrivacyConfig / fit as the flags that set them
+_FLAGS = {
+    "swa_start": "--swa-start", "swa_lr": "--swa-lr", "swa_anneal_epochs": "--swa-anneal-epochs",
+    "swag_rank": "--swag-rank", "checkpoint_every": "--checkpoint-every",
+    "max_grad_norm": "--max-grad-norm", "checkpoint_dir": "--out", "train_loader": "--data",
+    "eval_loader": "--eval-data", "noise_multiplier": "--dp-noise-multiplier",
+    "epochs": "--epochs", "accumulate": "--accumulate", "precision": "--precision",
+    "resume": "--resume", "epsilon": "--dp-epsilon", "delta": "--dp-delta", "seed": "--seed",
+}
+
+
+def _in_flag_terms(message: str) -> str:
+    """``message`` with the Python option names of ember.train replaced by the flags that set
+    them: names with an underscore anywhere; plain words (``epochs``) where written ``name=``,
+    or where they open the message (or a clause after ``: ``) as its subject."""
+    def flag(m: re.Match) -> str:
+        name, after = m.group(1), m.group(2)
+        start = m.start() == 0 or message[max(0, m.start() - 2):m.start()] == ": "
+        subject = start and re.match(r"(:|\s+(must|needs|is)\b)", message[m.end():]) is not None
+        if "_" in name or after.startswith("=") or subject:
+            return _FLAGS[name] + after
+        return name + after
+
+    message = re.sub(r"TrainConfig\.|PrivacyConfig\.", "", message)
+    names = "|".join(sorted(_FLAGS, key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])({names})\b(=?)", lambda m: flag(m), message)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _error(message: str) -> int:
+    print(f"ember train: error: {_one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _worker_cause(text: str) -> str:
+    """The error itself where a DataLoader worker's exception carries its traceback (torch
+    re-raises it as ``"Caught X in DataLoader worker process N. Original Traceback ..."``)."""
+    if "Original Traceback" not in text:
+        return text
+    last = [line for line in text.strip().splitlines() if line.strip()][-1]
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", last.strip())
+
+
 def _main(args: argparse.Namespace) -> int:
+    """Run, turning bad input into one line ``ember train: error: ...`` and exit status 2: bad
+    options and data locations (ConfigError), data that cannot be read (a ShardError names the
+    shard, the sample and the cause), files that cannot be read or written (OSError)."""
+    from ember.shards.errors import ShardError
+
     try:
         return run(args)
     except ConfigError as exc:
-        print(f"ember train: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(_in_flag_terms(str(exc)))
+    except ShardError as exc:
+        if "allow_pipe" in str(exc):  # a Python option: the command has no such flag
+            return _error(f"{exc.url}: ember train does not run pipe: commands; write the "
+                          "shards to files (or serve them over http) first")
+        hint = "" if args.skip_bad else " (--skip-bad skips bad shards and samples)"
+        return _error(f"cannot read the data: {_worker_cause(str(exc))}{hint}")
+    except OSError as exc:
+        return _error(str(exc))
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("num_classes", "hidden", "batch_size"):
+    """The options on their own (before any data is looked at)."""
+    for name in ("hidden", "batch_size", "epochs", "accumulate"):
         value = getattr(args, name)
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.num_classes < 2:
+    if args.num_classes is not None and args.num_classes < 2:
         raise ConfigError(f"--num-classes must be >= 2, got {args.num_classes}")
     if args.shuffle_buffer < 0 or args.workers < 0:
         raise ConfigError("--shuffle-buffer and --workers must be >= 0")
+    if not (args.seed == -1 or 0 <= args.seed < 2**63):
+        raise ConfigError(f"--seed must be -1 or in [0, 2**63), got {args.seed}")
+    for name in ("lr", "momentum", "weight_decay", "clip_grad_norm", "swa_lr", "dp_epsilon",
+                 "dp_delta", "max_grad_norm", "swap_lr"):
+        value = getattr(args, name, None)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.ray_address is not None and args.workers:
         raise ConfigError("--workers applies to local reading; with --ray-address the Ray "
                           "cluster's CPUs read the shards (drop --workers)")
     if args.lr <= 0:
         raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    if args.momentum < 0 or args.weight_decay < 0:
+        raise ConfigError(f"--momentum and --weight-decay must be >= 0, got {args.momentum} and "
+                          f"{args.weight_decay}")
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
+        raise ConfigError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.swag_rank < 0:
         raise ConfigError(f"--swag-rank must be >= 0, got {args.swag_rank}")
     if args.dp_noise_multiplier is not None:
@@ -199,6 +318,8 @@ def _in_memory_loader(stream: object, batch_size: int, world: Any) -> torch.util
     """The whole training stream as a map-style DataLoader: DP-SGD's Poisson sampling picks
     examples by index, so the shards are read into memory once (by every rank, which samples
     its share; --batch-size stays per process)."""
+    import torch
+
     xs, ys = [], []
     for x, y in stream:  # type: ignore[attr-defined]
         xs.append(x)
@@ -224,7 +345,8 @@ def _swap_phases(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     batch = args.swap_batch_size or max(1, args.batch_size // 4)
     small = image_class_loader(args.data, batch, seed=max(args.seed, 0) + 1 + world.rank,
                                shuffle=args.shuffle_buffer or 1000, grayscale=args.grayscale,
-                               num_workers=args.workers, split_ranks=False)
+                               num_workers=args.workers, split_ranks=False,
+                               image_size=args.image_size, skip_bad=args.skip_bad)
     try:
         len(small)
         schedule = "linear"  # the paper's decay over phase 2
@@ -243,16 +365,94 @@ def _swap_phases(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     return record
 
 
+def _is_main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _prepare_out(out: Path, resume: str | None, force: bool) -> None:
+    """Refuse to replace a run already in ``out`` (unless resuming it or forced), and check that
+    ``out`` can be written before any training is done."""
+    existing = [name for name in _RUN_FILES if (out / name).exists()]
+    if existing and resume is None:
+        if not force:
+            raise ConfigError(f"--out {out} already holds a run ({', '.join(existing)}); pass "
+                              "--resume auto to continue it, --force to replace it, or another "
+                              "--out")
+        if _is_main_rank():
+            for name in existing:
+                (out / name).unlink()
+    try:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        probe = out / f".ember-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"--out {out}: cannot write there ({reason})") from None
+
+
+def _class_names(args: argparse.Namespace) -> list[str] | None:
+    """The class names of classes.json next to --data; sets --num-classes from them if unset."""
+    from ember.train.data import read_class_names
+
+    names = read_class_names(args.data)
+    if names is None:
+        if args.num_classes is None:
+            raise ConfigError("--num-classes is needed: there is no classes.json next to the "
+                              "--data shards (`ember shards create` writes one)")
+        return None
+    if len(names) < 2:
+        raise ConfigError(f"the classes.json next to --data names {len(names)} class(es); "
+                          "training needs at least 2")
+    if args.num_classes is None:
+        args.num_classes = len(names)
+    elif args.num_classes != len(names):
+        raise ConfigError(f"--num-classes {args.num_classes} disagrees with the {len(names)} "
+                          "classes named in the classes.json next to --data")
+    return names
+
+
+def _batches_per_epoch(urls: list[str], batch_size: int) -> int | None:
+    """Batches of one epoch of one process, where the shards are local (an .idx file or a header
+    scan counts their samples); None otherwise."""
+    from ember.shards.index import sample_count
+    from ember.shards.urls import local_path
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or any(local_path(u) is None for u in urls):
+        return None
+    total = sum(sample_count(u) for u in urls)
+    return -(-total // batch_size)
+
+
+def _per_class_accuracy(model: nn.Module, loader: object, names: list[str]) -> dict[str, float]:
+    from ember.train.loop import predict
+
+    probs, targets = predict(model, loader)
+    hits = probs.argmax(1) == targets
+    out = {}
+    for i, name in enumerate(names):
+        mask = targets == i
+        if bool(mask.any()):
+            out[name] = float(hits[mask].float().mean())
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Train as the parsed ``ember train`` arguments say; returns the exit status."""
+    import torch
+    from torch import nn
+
     from ember.train.data import check_shards, image_class_loader, peek_image_shape
     from ember.train.distributed import all_gather_objects, init_from_env
     from ember.train.loop import TrainConfig, fit
 
     _check_args(args)
-    check_shards(args.data, "--data")
+    args.image_size = _image_size(args.image_size)
+    urls = check_shards(args.data, "--data")
     if args.eval_data:
         check_shards(args.eval_data, "--eval-data")
+    names = _class_names(args)
+    _prepare_out(args.out, args.resume, args.force)
     config = TrainConfig(
         epochs=args.epochs, precision=args.precision, accumulate=args.accumulate,
         max_grad_norm=args.clip_grad_norm, swa_start=args.swa_start,
@@ -276,30 +476,40 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("SWAP (--swap-phase2-epochs) needs at least 2 processes, got a world "
                           "size of 1: run under torchrun --nproc_per_node=N with N >= 2")
     torch.manual_seed(max(args.seed, 0))  # the same initial weights on every rank
-    shape = peek_image_shape(args.data, grayscale=args.grayscale)
+    shape = peek_image_shape(args.data, grayscale=args.grayscale, image_size=args.image_size,
+                             skip_bad=args.skip_bad)
+    if args.image_size is None:  # the first image's size: images of other sizes are fitted to it
+        args.image_size = tuple(shape[1:])
     model = build_model(args.model, shape, args.num_classes, args.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     if privacy is None:
         train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
                                    shuffle=args.shuffle_buffer, grayscale=args.grayscale,
-                                   num_workers=args.workers, ray_address=args.ray_address)
+                                   num_workers=args.workers, ray_address=args.ray_address,
+                                   image_size=args.image_size, skip_bad=args.skip_bad)
         if args.ray_address is not None:
             try:
                 train.connect()
             except (ImportError, ConnectionError) as exc:
                 raise ConfigError(f"--ray-address: {exc}") from None
+        elif not args.no_progress:
+            batches = _batches_per_epoch(urls, args.batch_size)
+            if batches is not None:  # the progress bar's total
+                train = train.with_length(batches)
     elif args.ray_address is not None:
         raise ConfigError("--ray-address cannot be combined with --dp-epsilon: DP-SGD samples "
                           "every batch from all examples held in memory")
     else:  # all of --data on every rank, in shard order
         train = _in_memory_loader(image_class_loader(
             args.data, args.batch_size, shuffle=0, grayscale=args.grayscale,
-            num_workers=args.workers, split_ranks=False), args.batch_size, world)
+            num_workers=args.workers, split_ranks=False, image_size=args.image_size,
+            skip_bad=args.skip_bad), args.batch_size, world)
     test = None
     if args.eval_data:
         test = image_class_loader(args.eval_data, 256, shuffle=0, grayscale=args.grayscale,
-                                  split_ranks=False)
+                                  split_ranks=False, image_size=args.image_size,
+                                  skip_bad=args.skip_bad)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if target.numel() and (int(target.min()) < 0 or int(target.max()) >= args.num_classes):
@@ -328,13 +538,20 @@ def run(args: argparse.Namespace) -> int:
         torch.save(result.model.state_dict(), args.out / "model.pt")
         if result.swa is not None:
             torch.save(result.swa.module.state_dict(), args.out / "swa.pt")
+        skipped = sum(r.get("data_errors", 0) for r in result.history)
         summary = {"steps": result.steps, "skipped_steps": result.skipped_steps,
                    "dropped_microbatches": result.dropped_microbatches,
                    "world_size": result.world_size, "rank_digests": result.rank_digests,
                    "ranks_in_sync": len(set(result.rank_digests)) == 1,
                    "rank_streams": streams, "history": result.history,
                    "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
-                   "privacy": result.privacy}
+                   "privacy": result.privacy,
+                   "image_size": list(args.image_size), "classes": names,
+                   "skipped_bad": skipped}
+        per_class = None
+        if test is not None and names is not None:
+            per_class = _per_class_accuracy(result.model, test, names)
+            summary["eval_accuracy_per_class"] = per_class
         if swap_record is not None:
             summary["swap"] = swap_record
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -342,6 +559,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"trained {result.steps} steps on {result.world_size} process(es); final train loss "
               f"{last.get('train_loss', float('nan')):.4f}"
               + (f", test accuracy {last['eval_accuracy']:.4f}" if "eval_accuracy" in last else ""))
+        if names is not None:
+            print(f"classes: {', '.join(f'{i}={n}' for i, n in enumerate(names))}")
+        if per_class:
+            print("test accuracy per class: "
+                  + ", ".join(f"{n} {a:.4f}" for n, a in per_class.items()))
+        if args.skip_bad:
+            print(f"skipped {skipped} bad shards/samples (--skip-bad)")
         if swap_record is not None and "eval_accuracy" in swap_record:
             print(f"SWAP average of {result.world_size} ranks: test accuracy "
                   f"{swap_record['eval_accuracy']:.4f}")

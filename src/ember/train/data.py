@@ -2,22 +2,124 @@
 
 The convention is webdataset's: each sample has one image (``png``, ``jpg``, ``jpeg``, ``ppm``,
 ``pgm``, ``webp`` ...) and an integer class in ``cls``. Images are decoded to float tensors in
-[0, 1] of shape ``(channels, height, width)``.
+[0, 1] of shape ``(channels, height, width)``; with ``image_size`` every image is first resized
+(shorter side) and center-cropped to that size, as torchvision's ``Resize`` + ``CenterCrop`` do.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from ember.shards import RayShardLoader, ShardDataset, ShardLoader, expand_urls
+from ember.shards import (
+    DecodeError,
+    RayShardLoader,
+    ShardDataset,
+    ShardLoader,
+    expand_urls,
+    ignore_and_continue,
+)
+from ember.shards.decode import IMAGE_EXTENSIONS
 from ember.shards.urls import local_path
 from ember.train.errors import ConfigError
 
-__all__ = ["IMAGE_KEYS", "check_shards", "image_class_loader", "peek_image_shape"]
+__all__ = ["IMAGE_KEYS", "ImageExample", "check_shards", "image_class_loader", "image_size_arg",
+           "peek_image_shape", "read_class_names", "resize_center_crop"]
 
 IMAGE_KEYS = "png;jpg;jpeg;ppm;pgm;pnm;webp;bmp;tif;tiff"
+
+
+def image_size_arg(size: int | Sequence[int] | None, name: str = "image_size"
+                   ) -> tuple[int, int] | None:
+    """``size`` as ``(height, width)``: an int is a square; None stays None."""
+    if size is None:
+        return None
+    sizes = (size, size) if isinstance(size, int) and not isinstance(size, bool) else size
+    try:
+        h, w = sizes  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an int or a (height, width) pair, got {size!r}") from None
+    for v in (h, w):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must hold ints, got {size!r}")
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {size!r}")
+    return h, w
+
+
+def resize_center_crop(image: Any, size: tuple[int, int]) -> Any:
+    """A PIL image scaled (bilinear, aspect kept) until it covers ``size`` = (height, width), then
+    center-cropped to it. For a square size this is torchvision's ``Resize(s)`` followed by
+    ``CenterCrop(s)`` on PIL images; an image already of ``size`` is returned unchanged."""
+    from PIL import Image
+
+    th, tw = size
+    w, h = image.size
+    if (h, w) == (th, tw):
+        return image
+    if th * w >= tw * h:  # the height is the binding side: it becomes th
+        nh, nw = th, max(tw, int(th * w / h))
+    else:
+        nh, nw = max(th, int(tw * h / w)), tw
+    if (nh, nw) != (h, w):
+        image = image.resize((nw, nh), Image.BILINEAR)
+    top = int(round((nh - th) / 2.0))
+    left = int(round((nw - tw) / 2.0))
+    return image.crop((left, top, left + tw, top + th))
+
+
+class ImageExample:
+    """A decoded sample (PIL image and int class) -> ``(image tensor, label)``; errors name the
+    shard, the sample key and the cause."""
+
+    def __init__(self, image_size: tuple[int, int] | None, grayscale: bool):
+        self.image_size = image_size
+        self.grayscale = grayscale
+
+    def __call__(self, sample: dict) -> tuple[torch.Tensor, int]:
+        import numpy as np
+
+        key, url = sample.get("__key__"), sample.get("__url__")
+        images = [k for k in sample if k[:2] != "__" and k.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS]
+        if not images:
+            raise DecodeError(f"sample {key!r} has no image field (fields: "
+                              f"{sorted(k for k in sample if k[:2] != '__')})", url)
+        if "cls" not in sample:
+            raise DecodeError(f"sample {key!r} has no .cls label (fields: "
+                              f"{sorted(k for k in sample if k[:2] != '__')})", url)
+        label = sample["cls"]
+        if isinstance(label, bool) or not isinstance(label, int):
+            raise DecodeError(f"sample {key!r}: .cls is not an integer: {label!r}", url)
+        image = sample[images[0]]
+        if self.image_size is not None:
+            image = resize_center_crop(image, self.image_size)
+        arr = np.array(image)  # a writable copy: torch.from_numpy warns on read-only arrays
+        t = torch.from_numpy(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1).copy())
+        return t.float().div_(255.0), label
+
+
+def read_class_names(urls: str | Sequence[str]) -> list[str] | None:
+    """The class names of ``classes.json`` (``{"classes": [...]}``, as ``ember shards create``
+    writes it) next to the first local shard, or None when there is none."""
+    expanded = expand_urls(urls)
+    path = local_path(expanded[0]) if expanded else None
+    if path is None:
+        return None
+    file = os.path.join(os.path.dirname(os.path.abspath(path)), "classes.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            names = json.load(f)["classes"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{file} is not a classes.json of `ember shards create`: {exc}") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{file}: 'classes' must be a list of names")
+    return names
 
 
 def check_shards(urls: str | Sequence[str], what: str = "--data") -> list[str]:
@@ -31,6 +133,11 @@ def check_shards(urls: str | Sequence[str], what: str = "--data") -> list[str]:
     missing = []
     for url in expanded:
         path = local_path(url)
+        if path is not None and path.is_dir():
+            raise ConfigError(f"{what}: {path} is a folder, not tar shards; to train on a folder "
+                              "of images (one subfolder per class), first write shards with "
+                              f"`ember shards create {path} -o shards/train-%06d.tar`, then pass "
+                              "--data 'shards/train-{000000..NNNNNN}.tar'")
         if path is not None and not path.is_file():
             missing.append(str(path))
     if missing:
@@ -42,26 +149,33 @@ def check_shards(urls: str | Sequence[str], what: str = "--data") -> list[str]:
 
 def _dataset(urls: Sequence[str], *, seed: int, shuffle: int, grayscale: bool,
              rank: int | None, world_size: int | None, equalize: str | None,
-             generator: torch.Generator | None) -> ShardDataset:
+             generator: torch.Generator | None, image_size: tuple[int, int] | None = None,
+             skip_bad: bool = False) -> ShardDataset:
+    # skip_bad: a bad shard's rest (on_error) and a bad sample (the stages' handler) are skipped
+    # and counted in error_count
+    handler = ignore_and_continue if skip_bad else None
     ds = ShardDataset(list(urls), seed=seed, shuffle_shards=shuffle > 0, rank=rank,
-                      world_size=world_size, equalize=equalize, generator=generator)
+                      world_size=world_size, equalize=equalize, generator=generator,
+                      on_error="skip" if skip_bad else "raise")
     if shuffle > 0:
         ds = ds.shuffle(shuffle)
-    ds = ds.decode("torchl" if grayscale else "torchrgb").to_tuple(IMAGE_KEYS + " cls")
-    # "torchl" gives (H, W) images, as in webdataset: add the channel axis models expect
-    return ds.map(_channel_axis) if grayscale else ds
-
-
-def _channel_axis(item: tuple) -> tuple:
-    image, label = item
-    return image.unsqueeze(0), label
+    return (ds.decode("pill" if grayscale else "pil", handler=handler)
+            .map(ImageExample(image_size, grayscale), handler=handler))
 
 
 def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int = 0,
                        shuffle: int = 1000, grayscale: bool = False, num_workers: int = 0,
                        split_ranks: bool = True, generator: torch.Generator | None = None,
-                       ray_address: str | None = None) -> ShardLoader | RayShardLoader:
+                       ray_address: str | None = None,
+                       image_size: int | tuple[int, int] | None = None, skip_bad: bool = False
+                       ) -> ShardLoader | RayShardLoader:
     """A resumable loader of ``(images, labels)`` batches from image + cls shards.
+
+    ``image_size`` (an int or ``(height, width)``) resizes every image, aspect kept, until it
+    covers that size and center-crops it (:func:`resize_center_crop`); without it the images
+    must all have one size. A bad shard or sample raises a :class:`~ember.shards.ShardError`
+    naming the shard and the sample key; with ``skip_bad`` it is skipped instead and counted in
+    the loader's ``error_count``.
 
     ``shuffle`` is the sample shuffle buffer (0: read in order, shard order unshuffled too);
     shuffling is reproducible from ``seed`` and changes every epoch; ``generator`` (e.g. an
@@ -73,11 +187,13 @@ def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int 
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    size = image_size_arg(image_size)
     expanded = check_shards(urls)
     rank, world = (None, None) if split_ranks else (0, 1)
     equalize = "drop" if split_ranks and _world_size() > 1 else None
     ds = _dataset(expanded, seed=seed, shuffle=shuffle, grayscale=grayscale, rank=rank,
-                  world_size=world, equalize=equalize, generator=generator)
+                  world_size=world, equalize=equalize, generator=generator, image_size=size,
+                  skip_bad=skip_bad)
     if ray_address is not None:
         return RayShardLoader(ds.batched(batch_size), address=ray_address)
     return ShardLoader(ds.batched(batch_size), num_workers=num_workers)
@@ -91,11 +207,15 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def peek_image_shape(urls: str | Sequence[str], grayscale: bool = False) -> tuple[int, ...]:
-    """The ``(channels, height, width)`` of the first image in the first shard."""
+def peek_image_shape(urls: str | Sequence[str], grayscale: bool = False, *,
+                     image_size: int | tuple[int, int] | None = None,
+                     skip_bad: bool = False) -> tuple[int, ...]:
+    """The ``(channels, height, width)`` of the first image (after ``image_size``'s resize)."""
+    size = image_size_arg(image_size)
     expanded = check_shards(urls)
-    ds = _dataset(expanded[:1], seed=0, shuffle=0, grayscale=grayscale, rank=0, world_size=1,
-                  equalize=None, generator=None)
+    ds = _dataset(expanded, seed=0, shuffle=0, grayscale=grayscale, rank=0, world_size=1,
+                  equalize=None, generator=None, image_size=size, skip_bad=skip_bad)
     for image, _ in ds:
         return tuple(image.shape)
-    raise ConfigError(f"first shard {expanded[0]} holds no image + cls samples")
+    raise ConfigError(f"{expanded[0]}{' ...' if len(expanded) > 1 else ''} holds no "
+                      "image + cls samples")

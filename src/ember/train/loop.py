@@ -478,6 +478,23 @@ def _progress_bar(enabled: bool) -> Any:
     return tqdm(unit="batch", disable=not enabled, dynamic_ncols=True, mininterval=0.5)
 
 
+def _length(loader: Iterable) -> int | None:
+    """Batches per epoch where the loader knows (a progress bar's total), else None."""
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds none of ``model``'s parameters: it would train nothing."""
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if held and not any(id(p) in own for p in held):
+        raise ConfigError("the optimizer holds none of the model's parameters (was it built for "
+                          "another model?); build it with optimizer(model.parameters(), ...)")
+
+
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterable,
         config: TrainConfig | None = None, *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -533,6 +550,7 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
          cleanup: contextlib.ExitStack) -> TrainResult:
     from ember.csprng import create_generator, create_random_device_generator
 
+    _check_optimizer(model, optimizer)
     model.to(device)
     if privacy is not None:
         from ember.train.privacy import check_combination, check_loader, check_model
@@ -631,6 +649,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             if progress.micro == 0 or progress.epoch_lr is None:
                 progress.epoch_lr = _lr(optimizer)
             epoch_lr = progress.epoch_lr
+            bar.reset(total=_length(train_loader))
+            bar.update(progress.micro)  # batches of this epoch done before a resume
             bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
             for batch in _batches(train_loader):
                 x, y = _split_batch(batch, device)
@@ -699,6 +719,9 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 optimizer.zero_grad(set_to_none=True)
                 progress.dropped_microbatches += leftover
             batches = progress.micro
+            if batches == 0:
+                raise ConfigError(f"train_loader yielded no batches in epoch {epoch} (is the data "
+                                  "empty, or was every sample skipped?)")
             if in_swa_phase:
                 if config.swa_every_steps is None and config.swa_schedule != "cyclic":
                     collect_swa()
@@ -711,6 +734,9 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             record = {"epoch": epoch, "train_loss": train_loss,
                       "batches": batches, "steps": progress.step, "lr": epoch_lr,
                       "skipped_steps": progress.skipped_steps, "swa": in_swa_phase}
+            errors = getattr(train_loader, "error_count", None)
+            if errors is not None:  # shards/samples the loader's error handling skipped
+                record["data_errors"] = int(errors)
             if private is not None:
                 private.epoch_done()
                 record["nonempty_batches"] = progress.loss_batches

@@ -467,9 +467,20 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
     sample_rate = 1 / steps_per_epoch
     sigma = config.noise_multiplier
     if sigma is None:
-        sigma = float(get_noise_multiplier(target_epsilon=config.epsilon, target_delta=config.delta,
-                                           sample_rate=sample_rate, steps=epochs * steps_per_epoch,
-                                           accountant=config.accountant))
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sigma = float(get_noise_multiplier(
+                    target_epsilon=config.epsilon, target_delta=config.delta,
+                    sample_rate=sample_rate, steps=epochs * steps_per_epoch,
+                    accountant=config.accountant))
+            for w in caught:  # passed on only when a multiplier was found (else: the error)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        except ValueError as exc:  # Opacus: "The privacy budget is too low."
+            raise ConfigError(f"no noise multiplier reaches epsilon={config.epsilon} at "
+                              f"delta={config.delta} over {epochs} epochs of sample rate "
+                              f"{sample_rate:.3g} ({exc}); raise epsilon or lower the "
+                              "epochs") from None
     accountant = create_accountant(config.accountant)
     if world.distributed:  # Opacus's DPDDP: every rank starts from rank 0's weights
         for t in [*model.parameters(), *model.buffers()]:
