@@ -590,8 +590,11 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 state["privacy"] = private.state_dict(dp_states)
             if ema is not None:
                 state["ema"] = ema.state_dict()
-            save_checkpoint(ckpt_path, state)
+            # a private run's checkpoint holds the noise key: owner-only file
+            save_checkpoint(ckpt_path, state, owner_only=private is not None)
 
+    if private is not None:
+        private.watch_buffers()  # after resuming: a training step must not change any buffer
     bar = _progress_bar(config.progress and world.is_main)
     try:
         for epoch in range(progress.epoch, config.epochs):
@@ -614,12 +617,15 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 # DDP all-reduces gradients only on the micro-batch that closes a step
                 sync = net.no_sync() if world.distributed and private is None and not closes_step \
                     else contextlib.nullcontext()
-                with sync:
+                quiet = private.quiet_hooks() if private is not None else contextlib.nullcontext()
+                with sync, quiet:
                     with precision.autocast():
                         logits = net(x)
                     loss = loss_fn(logits.float(), y)
                     scaled = loss / config.accumulate
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                if private is not None:
+                    private.check_buffers()
                 progress.micro += 1
                 if y.dim() == 0 or y.shape[0] > 0:  # an empty Poisson batch has no loss
                     progress.epoch_loss_sum += float(loss.detach())
