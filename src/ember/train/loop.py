@@ -90,7 +90,8 @@ class TrainConfig:
       ``fold_in(rank)``); None keys it from the OS (secure, not reproducible across fresh runs,
       but still restored exactly from a checkpoint).
     - ``checkpoint_dir``: write ``last.pt`` there at the end of every epoch and, with
-      ``checkpoint_every``, every that many steps. ``resume``: a checkpoint file or directory, or
+      ``checkpoint_every``, every that many steps (with ``privacy`` it holds the noise key and is
+      written owner-only: never publish it). ``resume``: a checkpoint file or directory, or
       ``"auto"`` (the last checkpoint in ``checkpoint_dir`` if any).
     - ``metrics_path``: JSON-lines log of steps (every ``log_every``) and epochs.
     - ``progress``: tqdm bars (rank 0 only). ``device``: where the model trains.
@@ -487,8 +488,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
 
     ``privacy`` trains with DP-SGD on Opacus's pieces (see :mod:`ember.train.privacy`), also
     under torchrun: each epoch's record carries the ``epsilon`` spent and the ``dp_*`` parameters,
-    ``result.privacy`` the full report; the returned model, EMA and SWA copies carry no Opacus
-    hooks.
+    ``result.privacy`` the full report (``not_covered_by_dp`` names the fields epsilon does not
+    cover); the returned model, EMA and SWA copies carry no Opacus hooks or attributes. A
+    training step that changes a floating-point buffer of the model is refused (the buffers are
+    put back).
     """
     config = config or TrainConfig()
     config.check()

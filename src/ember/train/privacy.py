@@ -378,6 +378,10 @@ def strip_opacus(model: nn.Module) -> nn.Module:
     return model
 
 
+def _same_buffer(b: torch.Tensor | None, saved: torch.Tensor) -> bool:
+    return b is not None and b.shape == saved.shape and b.dtype == saved.dtype
+
+
 class PrivateTraining:
     """One private run: ``module`` (per-example gradients), ``optimizer`` (clip + noise),
     ``loader`` (Poisson logical batches, maybe split into physical ones), the ember
@@ -407,8 +411,8 @@ class PrivateTraining:
         now = dict(self.model.named_buffers())
         for name, saved in self._buffers.items():
             b = now.get(name)
-            if b is not None and b.shape == saved.shape and torch.allclose(
-                    b.detach(), saved.to(b.device), rtol=0, atol=0, equal_nan=True):
+            if _same_buffer(b, saved) and torch.allclose(b.detach(), saved.to(b.device), rtol=0,
+                                                         atol=0, equal_nan=True):
                 continue
             self._restore_buffers()
             owner, _, attr = name.rpartition(".")
@@ -425,7 +429,7 @@ class PrivateTraining:
                 owner, _, attr = name.rpartition(".")
                 layer = self.model.get_submodule(owner)
                 current = layer._buffers.get(attr)
-                if current is not None and current.shape == saved.shape:
+                if _same_buffer(current, saved):
                     current.copy_(saved)
                 else:
                     layer._buffers[attr] = saved.clone()
