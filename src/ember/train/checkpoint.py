@@ -25,12 +25,33 @@ FORMAT = "ember-train-checkpoint/1"
 CHECKPOINT_NAME = "last.pt"
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` to ``path`` atomically; returns the path."""
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any], *,
+                    owner_only: bool = False) -> Path:
+    """Write ``state`` to ``path`` atomically; returns the path.
+
+    ``owner_only`` (for secrets such as a DP run's noise key): the file is created readable and
+    writable by its owner only (0600 on POSIX; Windows keeps its default access) and a directory
+    created for it is 0700.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if owner_only:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".writing")
-    torch.save({"format": FORMAT, **state}, tmp)
+    if owner_only:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0),
+                     0o600)
+        try:
+            if hasattr(os, "fchmod"):  # a stale .writing file would keep its wider mode
+                os.fchmod(fd, 0o600)
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format": FORMAT, **state}, f)
+    else:
+        torch.save({"format": FORMAT, **state}, tmp)
     os.replace(tmp, path)
     return path
 

@@ -7,6 +7,7 @@ Several processes (DDP, gloo on CPU): ``torchrun --nproc_per_node=2 --no-python 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -33,12 +34,16 @@ _RUN_FILES = ("model.pt", "swa.pt", "summary.json", "metrics.jsonl", "checkpoint
 
 _EPILOG = """\
 outputs (in --out, written by rank 0):
-  checkpoints/last.pt  checkpoint after every epoch (and every --checkpoint-every steps)
+  checkpoints/last.pt  checkpoint after every epoch (and every --checkpoint-every steps); with
+                       DP-SGD it holds the noise key (anyone holding it can strip the noise):
+                       owner-only (0600), removed after a successful run unless
+                       --keep-checkpoints; never publish it with the model
   metrics.jsonl        one JSON object per step/epoch
   model.pt             final weights (state dict; with SWAP the averaged ones); swa.pt with
                        --swa-start
   summary.json         steps, skipped steps, per-epoch history, ranks_in_sync; with DP-SGD
-                       "privacy": q, sigma, delta, steps, accountant, epsilon
+                       "privacy": q, sigma, delta, steps, accountant, epsilon, and
+                       "not_covered_by_dp": the fields epsilon does not cover (train_loss, ...)
 
 data convention: each sample holds one image (png, jpg, jpeg, ppm, pgm, webp, ...) and an
 integer class in a .cls member, as written by `ember shards create FOLDER -o PATTERN` (from a
@@ -152,6 +157,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="per-example gradient clipping bound for DP-SGD")
     dp.add_argument("--dp-accountant", choices=("rdp", "prv"), default="rdp",
                     help="privacy accountant (default: %(default)s)")
+    dp.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep checkpoints/last.pt after a successful DP-SGD run (it holds the "
+                    "noise key: owner-only, never publish it); by default it is removed")
     dp.add_argument("--dp-noise-multiplier", type=float, default=None, help=argparse.SUPPRESS)
     swap = p.add_argument_group(
         "SWAP (stochastic weight averaging in parallel; needs torchrun with >= 2 processes)")
@@ -312,6 +320,9 @@ def _check_args(args: argparse.Namespace) -> None:
     dp = (args.dp_epsilon, args.dp_delta, args.max_grad_norm)
     if any(v is not None for v in dp) and any(v is None for v in dp):
         raise ConfigError("DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm")
+    if args.keep_checkpoints and args.dp_epsilon is None:
+        raise ConfigError("--keep-checkpoints is for DP-SGD runs (--dp-epsilon); other runs "
+                          "always keep their checkpoints")
 
 
 def _in_memory_loader(stream: object, batch_size: int, world: Any) -> torch.utils.data.DataLoader:
@@ -437,6 +448,23 @@ def _per_class_accuracy(model: nn.Module, loader: object, names: list[str]) -> d
     return out
 
 
+def _dispose_private_checkpoint(path: Path | None, keep: bool) -> None:
+    """A DP run's checkpoint holds its noise key: remove it after success unless kept, and say
+    so either way."""
+    if path is None or not path.exists():
+        return
+    if keep:
+        print(f"{path} holds the DP noise key (anyone with it can strip the noise): it is "
+              f"owner-only; keep it private and do not publish it with the model")
+        return
+    path.unlink()
+    path.with_name(path.name + ".writing").unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: leave it
+        path.parent.rmdir()
+    print(f"removed {path}: it held the DP noise key (pass --keep-checkpoints to keep it for "
+          f"resuming; never publish it with the model)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Train as the parsed ``ember train`` arguments say; returns the exit status."""
     import torch
@@ -523,8 +551,17 @@ def run(args: argparse.Namespace) -> int:
                 print(f"epoch {epoch + 1}/{args.epochs}: epsilon {record['epsilon']:.4f} "
                       f"(delta {record['dp_delta']:g}, {record['dp_steps']} steps)", flush=True)
 
-        result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test,
-                     privacy=privacy, on_epoch=on_epoch)
+        from ember.train.privacy import EpsilonTooLowError
+
+        try:
+            result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test,
+                         privacy=privacy, on_epoch=on_epoch)
+        except EpsilonTooLowError as exc:
+            raise ConfigError(f"--dp-epsilon {args.dp_epsilon:g} is too low: with --dp-delta "
+                              f"{args.dp_delta:g} over {exc.steps} steps (--epochs {args.epochs} "
+                              f"at sample rate {exc.sample_rate:.4g}) no noise multiplier "
+                              f"reaches it; raise --dp-epsilon or --dp-delta, or lower "
+                              f"--epochs") from None
         swap_record = _swap_phases(args, result.model, optimizer, loss_fn, test, world) \
             if args.swap_phase2_epochs is not None else None
         streams = all_gather_objects(
@@ -558,6 +595,7 @@ def run(args: argparse.Namespace) -> int:
         last = result.history[-1] if result.history else {}
         print(f"trained {result.steps} steps on {result.world_size} process(es); final train loss "
               f"{last.get('train_loss', float('nan')):.4f}"
+              + (" (not covered by epsilon)" if privacy is not None else "")
               + (f", test accuracy {last['eval_accuracy']:.4f}" if "eval_accuracy" in last else ""))
         if names is not None:
             print(f"classes: {', '.join(f'{i}={n}' for i, n in enumerate(names))}")
@@ -569,5 +607,7 @@ def run(args: argparse.Namespace) -> int:
         if swap_record is not None and "eval_accuracy" in swap_record:
             print(f"SWAP average of {result.world_size} ranks: test accuracy "
                   f"{swap_record['eval_accuracy']:.4f}")
+        if privacy is not None:
+            _dispose_private_checkpoint(result.checkpoint, args.keep_checkpoints)
         print(f"outputs in {args.out}")
     return 0

@@ -93,7 +93,8 @@ class TrainConfig:
       ``fold_in(rank)``); None keys it from the OS (secure, not reproducible across fresh runs,
       but still restored exactly from a checkpoint).
     - ``checkpoint_dir``: write ``last.pt`` there at the end of every epoch and, with
-      ``checkpoint_every``, every that many steps. ``resume``: a checkpoint file or directory, or
+      ``checkpoint_every``, every that many steps (with ``privacy`` it holds the noise key and is
+      written owner-only: never publish it). ``resume``: a checkpoint file or directory, or
       ``"auto"`` (the last checkpoint in ``checkpoint_dir`` if any).
     - ``metrics_path``: JSON-lines log of steps (every ``log_every``) and epochs.
     - ``progress``: tqdm bars (rank 0 only). ``device``: where the model trains.
@@ -521,8 +522,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
 
     ``privacy`` trains with DP-SGD on Opacus's pieces (see :mod:`ember.train.privacy`), also
     under torchrun: each epoch's record carries the ``epsilon`` spent and the ``dp_*`` parameters,
-    ``result.privacy`` the full report; the returned model, EMA and SWA copies carry no Opacus
-    hooks.
+    ``result.privacy`` the full report (``not_covered_by_dp`` names the fields epsilon does not
+    cover); the returned model, EMA and SWA copies carry no Opacus hooks or attributes. A
+    training step that changes a floating-point buffer of the model is refused (the buffers are
+    put back).
     """
     config = config or TrainConfig()
     config.check()
@@ -632,8 +635,11 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 state["privacy"] = private.state_dict(dp_states)
             if ema is not None:
                 state["ema"] = ema.state_dict()
-            save_checkpoint(ckpt_path, state)
+            # a private run's checkpoint holds the noise key: owner-only file
+            save_checkpoint(ckpt_path, state, owner_only=private is not None)
 
+    if private is not None:
+        private.watch_buffers()  # after resuming: a training step must not change any buffer
     bar = _progress_bar(config.progress and world.is_main)
     stop = False  # on_step raised StopTraining
     try:
@@ -659,12 +665,15 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 # DDP all-reduces gradients only on the micro-batch that closes a step
                 sync = net.no_sync() if world.distributed and private is None and not closes_step \
                     else contextlib.nullcontext()
-                with sync:
+                quiet = private.quiet_hooks() if private is not None else contextlib.nullcontext()
+                with sync, quiet:
                     with precision.autocast():
                         logits = net(x)
                     loss = loss_fn(logits.float(), y)
                     scaled = loss / config.accumulate
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                if private is not None:
+                    private.check_buffers()
                 progress.micro += 1
                 if y.dim() == 0 or y.shape[0] > 0:  # an empty Poisson batch has no loss
                     progress.epoch_loss_sum += float(loss.detach())

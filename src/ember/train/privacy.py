@@ -16,7 +16,9 @@ Opacus is imported only when used (``pip install ember[dp]``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,11 +29,36 @@ from torch import nn
 
 from ember.train.errors import ConfigError
 
-__all__ = ["ACCOUNTANTS", "PrivacyConfig", "PrivateTraining", "add_secure_noise",
-           "check_combination", "check_loader", "check_model", "fuse_secure_noise", "make_private",
-           "secure_noise", "strip_opacus"]
+__all__ = ["ACCOUNTANTS", "NOT_COVERED_BY_DP", "EpsilonTooLowError", "PrivacyConfig",
+           "PrivateTraining", "add_secure_noise", "check_combination", "check_loader",
+           "check_model", "fuse_secure_noise", "make_private", "secure_noise", "strip_opacus"]
 
 ACCOUNTANTS = ("rdp", "prv")
+
+# record fields computed from the training data without noise: epsilon does not cover them
+NOT_COVERED_BY_DP = ("train_loss", "loss", "nonempty_batches", "batches", "dataset_size",
+                     "expected_batch_size")
+
+# what Opacus attaches to modules (GradSampleModule and its functorch path) and to parameters
+_OPACUS_MODULE_ATTRS = ("autograd_grad_sample_hooks", "activations", "max_batch_len",
+                        "ft_compute_sample_grad", "norm_sample", "_forward_counter")
+_OPACUS_PARAM_ATTRS = ("grad_sample", "_forward_counter", "_current_grad_sample", "_norm_sample",
+                       "summed_grad", "ddp_hooks")
+
+# PyTorch warns on every private fit whose first layer's input needs no gradient (Opacus's full
+# backward hooks then fire on the outputs only, which is all they need)
+_FULL_BACKWARD_HOOK_WARNING = re.escape(
+    "Full backward hook is firing when gradients are computed with respect to module outputs "
+    "since no inputs require gradients")
+
+
+class EpsilonTooLowError(ConfigError):
+    """The target epsilon cannot be reached with any noise multiplier Opacus searches
+    (``steps`` logical steps at ``sample_rate``)."""
+
+    def __init__(self, message: str, *, steps: int, sample_rate: float) -> None:
+        super().__init__(message)
+        self.steps, self.sample_rate = steps, sample_rate
 
 
 @dataclass
@@ -126,28 +153,56 @@ def check_model(model: nn.Module, *, replace_batchnorm: bool = False) -> nn.Modu
     Every BatchNorm is refused, trainable or not: in train mode its batch statistics mix the
     examples of a batch (Opacus's validator only looks at layers with trainable parameters).
     With ``replace_batchnorm`` each is replaced in place by the GroupNorm Opacus's
-    ``ModuleValidator.fix`` chooses (``gcd(32, C)`` groups), reusing its weight and bias.
+    ``ModuleValidator.fix`` chooses (``gcd(32, C)`` groups), reusing its weight and bias; a layer
+    registered under several names becomes one GroupNorm under all of them. Any other norm layer
+    keeping running statistics (``InstanceNorm*(track_running_stats=True)``) is refused: they are
+    un-noised statistics of the training data. Uninitialised lazy layers are refused. The model
+    is put in train mode.
     """
     _opacus()
     from opacus.validators import ModuleValidator
 
-    batchnorms = [(name, m) for name, m in model.named_modules()
+    def where(name: str, m: nn.Module) -> str:
+        return f"{name or 'model'!r} ({type(m).__name__})"
+
+    modules = list(model.named_modules(remove_duplicate=False))
+    for name, m in modules:
+        if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+            raise ConfigError(f"the model cannot be trained with DP-SGD: layer {where(name, m)} "
+                              f"is uninitialised (lazy): call the model once on an example "
+                              f"batch before fit")
+        if isinstance(m, nn.modules.batchnorm._NormBase) \
+                and not isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            raise ConfigError(f"the model cannot be trained with DP-SGD: layer {where(name, m)} "
+                              f"has track_running_stats=True: its running statistics are "
+                              f"computed from the training data without noise and would be "
+                              f"published with the model; build it with "
+                              f"track_running_stats=False")
+    batchnorms = [(name, m) for name, m in modules
                   if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if batchnorms and not replace_batchnorm:
         name, m = batchnorms[0]
         raise ConfigError(f"the model cannot be trained with DP-SGD: BatchNorm layer "
-                          f"{name or 'model'!r} ({type(m).__name__}) mixes the examples of a "
-                          f"batch, trainable or not (set PrivacyConfig(replace_batchnorm=True) "
-                          f"to use GroupNorm instead)")
+                          f"{where(name, m)} mixes the examples of a batch, trainable or not (set "
+                          f"PrivacyConfig(replace_batchnorm=True) to use GroupNorm instead)")
+    replaced: dict[int, nn.GroupNorm] = {}
     for name, m in batchnorms:
         if not name:
             raise ConfigError("the model is itself a BatchNorm layer: nothing to train privately")
-        fixed = nn.GroupNorm(math.gcd(32, m.num_features), m.num_features, eps=m.eps,
-                             affine=m.affine)
-        if m.affine:
-            fixed.weight, fixed.bias = m.weight, m.bias
+        if id(m) not in replaced:
+            fixed = nn.GroupNorm(math.gcd(32, m.num_features), m.num_features, eps=m.eps,
+                                 affine=m.affine)
+            if m.affine:
+                fixed.weight, fixed.bias = m.weight, m.bias
+            replaced[id(m)] = fixed
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, name.rpartition(".")[2], fixed)
+        setattr(parent, name.rpartition(".")[2], replaced[id(m)])
+    left = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if left:
+        raise ConfigError(f"the model cannot be trained with DP-SGD: BatchNorm layer "
+                          f"{where(*left[0])} could not be replaced")
+    model.train()
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
         raise ConfigError(f"the model cannot be trained with DP-SGD: {errors[0]}")
@@ -172,8 +227,9 @@ def add_secure_noise(tensors: Sequence[torch.Tensor], std: float,
 
 def check_loader(loader: Any, world: Any) -> None:
     """Refuse a training loader Poisson sampling cannot stand in for: not a DataLoader over a
-    map-style dataset with a ``batch_size``, or one whose epoch does not read every example once
-    (Poisson sampling draws from the whole dataset, so it would train on the examples left out)."""
+    map-style dataset with a ``batch_size``, or one whose epoch does not read every example of
+    its dataset once (Poisson sampling draws from the whole dataset, so it would train on the
+    examples left out)."""
     from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
     if not isinstance(loader, torch.utils.data.DataLoader) or \
@@ -184,22 +240,33 @@ def check_loader(loader: Any, world: Any) -> None:
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         raise ConfigError("privacy needs a DataLoader with a batch_size (not batch_sampler= or "
                           "batch_size=None): its batch count sets the sample rate")
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"privacy: the loader's sampler ({type(sampler).__name__}) {why}, but "
+                           f"Poisson sampling draws from the whole dataset ({n} examples) and "
+                           f"would train on the ones it leaves out; pass a DataLoader over "
+                           f"exactly the training examples (e.g. torch.utils.data.Subset("
+                           f"dataset, train_idx)) with shuffle=True or False")
+
+    # these samplers read indices range(len(their own data source)), whatever it holds: the
+    # source must be as long as the loader's dataset
     if isinstance(sampler, DistributedSampler):
+        if len(sampler.dataset) != n:
+            raise refuse(f"reads indices 0..{len(sampler.dataset) - 1} only")
+        if sampler.drop_last and n % sampler.num_replicas:
+            raise refuse("has drop_last=True and drops examples")
         if sampler.num_replicas != world.size or sampler.rank != world.rank:
             raise ConfigError(f"privacy: the loader's DistributedSampler has num_replicas="
                               f"{sampler.num_replicas}, rank={sampler.rank}; this process is rank "
                               f"{world.rank} of {world.size}")
         return
+    if type(sampler) in (SequentialSampler, RandomSampler) and len(sampler.data_source) != n:
+        raise refuse(f"reads indices 0..{len(sampler.data_source) - 1} only")
     if type(sampler) is SequentialSampler or (
             type(sampler) is RandomSampler and not sampler.replacement
             and sampler.num_samples == n):
         return
-    raise ConfigError(f"privacy: the loader's sampler ({type(sampler).__name__}) does not read "
-                      f"every example of the dataset exactly once per epoch, but Poisson "
-                      f"sampling draws from the whole dataset ({n} examples) and would train on "
-                      f"the ones it leaves out; pass a DataLoader over exactly the training "
-                      f"examples (e.g. torch.utils.data.Subset(dataset, train_idx)) with "
-                      f"shuffle=True or False")
+    raise refuse("does not read every example of the dataset exactly once per epoch")
 
 
 class _PoissonBatches:
@@ -299,19 +366,27 @@ def _dp_optimizer(optimizer: torch.optim.Optimizer, sigma: float, max_grad_norm:
 
 
 def strip_opacus(model: nn.Module) -> nn.Module:
-    """Remove what Opacus attached to ``model``: per-example gradient hooks and the
-    ``grad_sample`` / ``summed_grad`` / counter attributes of its parameters (in place)."""
+    """Remove what Opacus attached to ``model`` (in place): per-example gradient hooks, the
+    modules' ``activations`` (after an error between a forward and its backward they hold raw
+    training inputs), ``max_batch_len`` and functorch attributes, and the ``grad_sample`` /
+    ``summed_grad`` / counter attributes of its parameters. Only plain instance attributes of
+    these names are removed, never parameters, buffers or submodules."""
     for m in model.modules():
-        if hasattr(m, "autograd_grad_sample_hooks"):
-            for handle in m.autograd_grad_sample_hooks:
-                handle.remove()
-            del m.autograd_grad_sample_hooks
+        hooks = m.__dict__.get("autograd_grad_sample_hooks")
+        for handle in hooks or ():
+            handle.remove()
+        for attr in _OPACUS_MODULE_ATTRS:
+            if attr in m.__dict__:
+                delattr(m, attr)
     for p in model.parameters():
-        for attr in ("grad_sample", "_forward_counter", "_current_grad_sample", "summed_grad",
-                     "ddp_hooks"):
+        for attr in _OPACUS_PARAM_ATTRS:
             if hasattr(p, attr):
                 delattr(p, attr)
     return model
+
+
+def _same_buffer(b: torch.Tensor | None, saved: torch.Tensor) -> bool:
+    return b is not None and b.shape == saved.shape and b.dtype == saved.dtype
 
 
 class PrivateTraining:
@@ -329,7 +404,54 @@ class PrivateTraining:
         self.steps_per_epoch, self.dataset_size, self.world = steps_per_epoch, dataset_size, world
         self.private = config.noise_seed is None
         self.stopped = False
+        self._buffers: dict[str, torch.Tensor] = {}
         batches.stop = self._next_step_exceeds
+
+    def watch_buffers(self) -> None:
+        """Remember the model's floating-point buffers: a training step must not change them."""
+        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()
+                         if b.is_floating_point() or b.is_complex()}
+
+    def check_buffers(self) -> None:
+        """Raise :class:`ConfigError` naming the first buffer a training step changed (a
+        statistic of the training data without noise), after putting every buffer back."""
+        now = dict(self.model.named_buffers())
+        for name, saved in self._buffers.items():
+            b = now.get(name)
+            if _same_buffer(b, saved) and torch.allclose(b.detach(), saved.to(b.device), rtol=0,
+                                                         atol=0, equal_nan=True):
+                continue
+            self._restore_buffers()
+            owner, _, attr = name.rpartition(".")
+            layer = self.model.get_submodule(owner)
+            raise ConfigError(f"privacy: buffer {attr!r} of layer {owner or 'model'!r} "
+                              f"({type(layer).__name__}) changed during a training step: it is "
+                              f"computed from the training data without noise and would be "
+                              f"published with the model; DP-SGD cannot train such a model "
+                              f"(buffers restored)")
+
+    def _restore_buffers(self) -> None:
+        with torch.no_grad():
+            for name, saved in self._buffers.items():
+                owner, _, attr = name.rpartition(".")
+                layer = self.model.get_submodule(owner)
+                current = layer._buffers.get(attr)
+                if _same_buffer(current, saved):
+                    current.copy_(saved)
+                else:
+                    layer._buffers[attr] = saved.clone()
+
+    @staticmethod
+    def quiet_hooks() -> contextlib.AbstractContextManager:
+        """A context hiding PyTorch's warning about full backward hooks on modules whose inputs
+        need no gradient (Opacus's hooks only need the outputs'), and nothing else."""
+        @contextlib.contextmanager
+        def quiet() -> Iterator[None]:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_FULL_BACKWARD_HOOK_WARNING,
+                                        category=UserWarning)
+                yield
+        return quiet()
 
     @property
     def steps(self) -> int:
@@ -376,7 +498,7 @@ class PrivateTraining:
                 "dataset_size": self.dataset_size,
                 "expected_batch_size": self.dataset_size * self.sample_rate,
                 "max_physical_batch_size": self.config.max_physical_batch_size,
-                "world_size": self.world.size}
+                "world_size": self.world.size, "not_covered_by_dp": list(NOT_COVERED_BY_DP)}
 
     def epoch_record(self) -> dict[str, Any]:
         """The privacy fields of an epoch record."""
@@ -390,7 +512,8 @@ class PrivateTraining:
         the noise key)."""
         history = [[float(s), float(q), int(n)] for s, q, n in self.accountant.history]
         return {"history": history, "generator": "os" if self.private else "seeded",
-                "generator_states": generator_states, "noise_multiplier": self.noise_multiplier,
+                "noise_seed": self.config.noise_seed, "generator_states": generator_states,
+                "noise_multiplier": self.noise_multiplier,
                 "sample_rate": self.sample_rate, "steps_per_epoch": self.steps_per_epoch,
                 "accountant": self.config.accountant, "stopped": self.stopped}
 
@@ -405,6 +528,13 @@ class PrivateTraining:
             raise ConfigError(f"the checkpoint's DP noise generator was {kind!r}-keyed, this run's "
                               f"is {mine!r}: resume with the same noise_seed setting (a run "
                               f"with noise_seed is not private)")
+        if kind == "seeded" and "noise_seed" not in state:
+            raise ConfigError("the checkpoint does not record its noise_seed (written by an older "
+                              "ember): it cannot be resumed")
+        if kind == "seeded" and state["noise_seed"] != self.config.noise_seed:
+            raise ConfigError(f"the checkpoint's DP noise was keyed from noise_seed="
+                              f"{state['noise_seed']!r}, this run's from noise_seed="
+                              f"{self.config.noise_seed!r}: resume with the same noise_seed")
         if state["accountant"] != self.config.accountant:
             raise ConfigError(f"checkpoint used the {state['accountant']!r} accountant, this run "
                               f"{self.config.accountant!r}")
@@ -467,20 +597,20 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
     sample_rate = 1 / steps_per_epoch
     sigma = config.noise_multiplier
     if sigma is None:
+        steps = epochs * steps_per_epoch
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with warnings.catch_warnings():
+                # the search tries huge multipliers, where RDP's best order is its largest one
+                warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
                 sigma = float(get_noise_multiplier(
                     target_epsilon=config.epsilon, target_delta=config.delta,
-                    sample_rate=sample_rate, steps=epochs * steps_per_epoch,
-                    accountant=config.accountant))
-            for w in caught:  # passed on only when a multiplier was found (else: the error)
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        except ValueError as exc:  # Opacus: "The privacy budget is too low."
-            raise ConfigError(f"no noise multiplier reaches epsilon={config.epsilon} at "
-                              f"delta={config.delta} over {epochs} epochs of sample rate "
-                              f"{sample_rate:.3g} ({exc}); raise epsilon or lower the "
-                              "epochs") from None
+                    sample_rate=sample_rate, steps=steps, accountant=config.accountant))
+        except ValueError as err:  # Opacus: "The privacy budget is too low."
+            raise EpsilonTooLowError(
+                f"privacy epsilon={config.epsilon:g} is too low for delta={config.delta:g} over "
+                f"{steps} steps at sample rate {sample_rate:.4g}: no noise multiplier Opacus "
+                f"searches reaches it ({err}); raise epsilon or delta or train fewer epochs",
+                steps=steps, sample_rate=sample_rate) from None
     accountant = create_accountant(config.accountant)
     if world.distributed:  # Opacus's DPDDP: every rank starts from rank 0's weights
         for t in [*model.parameters(), *model.buffers()]:
