@@ -262,7 +262,9 @@ class RayShardLoader:
     Errors are handled as locally: ``on_error`` applies to corrupt and truncated shards and to
     decode errors (a ``"raise"`` raises the original exception here, after the items before it;
     ``"warn"``, ``"skip"`` or a callable run here, in order, when the shard's items have been
-    handed out), ``handler=`` of the stages runs on the worker, and ``error_count`` counts both.
+    handed out), ``handler=`` of the stages runs on the worker (the warnings issued there are
+    issued again here when the shard's items have been handed out), and ``error_count`` counts
+    both.
 
     ``address``: the cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``); None uses
     an already initialised Ray, else ``ray.init()``'s default. ``rank``/``world_size``: as for
@@ -276,6 +278,10 @@ class RayShardLoader:
     ``state_dict()`` resumes exactly, mid-epoch too: it holds the task being handed out, the
     items of it already handed out and the leftover items waiting for a batch; resuming re-runs
     only that task.
+
+    One iterator at a time: a new ``iter(loader)`` takes over the position and the older one
+    raises RuntimeError if used again. Breaking off an iteration leaves its running tasks to end
+    at the end of their shards (their outputs are dropped, not kept); they are not cancelled.
     """
 
     def __init__(self, dataset: ShardDataset, *, address: str | None = None,
@@ -315,9 +321,12 @@ class RayShardLoader:
         ``address`` unless it already is (then a warning if ``address`` names another
         cluster than the one Ray is connected to: Ray connects once per process). Raises
         ImportError without Ray, ConnectionError naming the address when it cannot connect."""
+        self._connect(stacklevel=4)
+
+    def _connect(self, stacklevel: int) -> None:
         ray = _ray()
         if ray.is_initialized():
-            _check_same_cluster(ray, self.address)
+            _check_same_cluster(ray, self.address, stacklevel)
             return
         try:
             ray.init(address=self.address)
@@ -465,7 +474,7 @@ class RayShardLoader:
             inner.close()
 
     def _iterate(self) -> Iterator:
-        self.connect()
+        self._connect(stacklevel=5)  # the warning points at the caller of next()
         ray = _ray()
         ds = self.dataset
         rank, world = self._rank_world()
@@ -588,7 +597,7 @@ class RayShardLoader:
         pos["errors"] = policy.count
 
 
-def _check_same_cluster(ray: Any, address: str | None) -> None:
+def _check_same_cluster(ray: Any, address: str | None, stacklevel: int) -> None:
     """Warn when ``address`` names another cluster than the one Ray is initialised with."""
     if address is None or address == "auto":
         return
@@ -601,7 +610,7 @@ def _check_same_cluster(ray: Any, address: str | None) -> None:
     warnings.warn(f"RayShardLoader(address={address!r}) is not used: Ray is already initialised "
                   f"in this process (connected to {current or 'another cluster'}), and a "
                   "process connects to one cluster; call ray.shutdown() first, or leave "
-                  "address=None", RuntimeWarning, stacklevel=4)
+                  "address=None", RuntimeWarning, stacklevel=stacklevel)
 
 
 def _host_port(address: str) -> tuple[str, str]:
