@@ -319,3 +319,107 @@ def test_fit_killed_mid_epoch_and_resumed_is_bit_identical(cluster, shards, tmp_
     state = torch.load(tmp_path / "cut" / "last.pt", weights_only=False)
     assert state["ranks"][0]["data"]["task"] > 0  # a mid-epoch position
     assert run(tmp_path / "cut", resume="auto") == reference
+
+
+def test_closing_iterators_early_again_and_again_cancels_nothing(cluster, shards, monkeypatch):
+    # ray.cancel of running streaming generator tasks once aborted the trainer inside Ray
+    # ("Tried to complete task that was not pending"): an iterator closed early drops its
+    # tasks' generators instead, and the loader goes on
+    pattern, _, keys = shards
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", lambda *a, **kw: cancelled.append(a))
+    ds = ShardDataset(pattern, seed=11).shuffle(4).to_tuple("__key__ cls").batched(
+        3, collation_fn=None)
+    loader = RayShardLoader(ds)
+    first = [k for b in RayShardLoader(ds) for k, _ in b]
+    for cycle in range(30):
+        it = iter(loader)
+        got = [next(it) for _ in range(cycle % 5)]
+        it.close()
+        assert [k for b in got for k, _ in b] == first[:3 * (cycle % 5)]
+    assert cancelled == []
+    assert [k for b in loader for k, _ in b] == first  # the epoch, whole, from its start
+    assert sorted(first) == keys
+
+
+def test_equalize_repeat_reads_a_truncated_shard_again_as_locally(cluster, with_truncated):
+    # rank 0 reads the truncated shard (4 of its declared 8 samples) and the 4-sample shard,
+    # then both again for its quota of 16: locally the second read of the truncated shard
+    # runs into the cut again (the rank is short), so it is reported twice
+    urls = [with_truncated[2], with_truncated[0], with_truncated[5], with_truncated[1]]
+
+    def make(seen):
+        return ShardDataset(urls, shuffle_shards=False, equalize="repeat", on_error=seen.append,
+                            shard_sizes=[PER_SHARD, PER_SHARD, LAST, PER_SHARD], rank=0,
+                            world_size=2).to_tuple("__key__ cls")
+
+    seen_local, seen_ray = [], []
+    local = make(seen_local)
+    expected = [k for k, _ in local]
+    loader = RayShardLoader(make(seen_ray))
+    assert _keys(loader) == expected and len(expected) == 2 * PER_SHARD
+    assert loader.error_count == local.error_count == 2
+    assert [type(e) for e in seen_ray] == [type(e) for e in seen_local] == \
+        [TruncatedShardError] * 2
+
+
+def _recorded(fn) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn()
+    return sorted(str(w.message) for w in seen if "no threes" in str(w.message))
+
+
+def test_stage_handler_warnings_reach_the_trainer(cluster, shards):
+    pattern, _, _ = shards
+    for handler, count in ((warn_and_continue, 5), (warn_and_stop, 1)):
+        make = lambda h=handler: ShardDataset(pattern, shuffle_shards=False).to_tuple(
+            "__key__ cls").map(_fails_on_threes, handler=h)
+        local = _recorded(lambda m=make: list(m()))
+        got = _recorded(lambda m=make: list(RayShardLoader(m())))
+        assert got == local and len(local) == count
+
+
+def test_address_of_another_cluster_warns_when_ray_is_initialised(cluster, shards):
+    import warnings
+
+    pattern, _, _ = shards
+    with pytest.warns(RuntimeWarning, match=r"address='127.0.0.1:1'.* is not used: Ray is "
+                                            r"already initialised"):
+        RayShardLoader(ShardDataset(pattern), address="127.0.0.1:1").connect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RayShardLoader(ShardDataset(pattern), address=cluster.address).connect()
+        RayShardLoader(ShardDataset(pattern), address="auto").connect()
+
+
+def test_a_stage_that_cannot_be_pickled_is_named(cluster, shards):
+    import threading
+
+    pattern, _, _ = shards
+    lock = threading.Lock()
+
+    def uses_lock(item):
+        with lock:
+            return item
+
+    loader = RayShardLoader(ShardDataset(pattern).to_tuple("__key__ cls").map(uses_lock))
+    with pytest.raises(TypeError, match=r"stage 1 \(map .*uses_lock\) cannot be pickled "
+                                        r"\(TypeError: cannot pickle '_thread.lock' object\)") as info:
+        next(iter(loader))
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+
+
+def test_a_newer_iterator_takes_over_and_the_older_one_raises(cluster, shards):
+    pattern, _, _ = shards
+    loader = RayShardLoader(ShardDataset(pattern, seed=3).to_tuple("__key__ cls"))
+    first = _keys(RayShardLoader(ShardDataset(pattern, seed=3).to_tuple("__key__ cls")))
+    old = iter(loader)
+    assert [next(old)[0] for _ in range(3)] == first[:3]
+    new = iter(loader)
+    with pytest.raises(RuntimeError, match="replaced by a newer iter"):
+        next(old)
+    assert [k for k, _ in new] == first  # the epoch from its start, then it ends
+    assert loader.epoch == 1
