@@ -388,3 +388,33 @@ def test_generator_still_usable_from_several_threads():
     for t in threads:
         t.join()
     assert len({tuple(o.tolist()) for o in outs}) == 4
+
+
+# ---------------------------------------------------------------- review 2: early-bound sparse_
+def test_sparse_init_bound_before_ember_was_imported_raises():
+    code = textwrap.dedent("""
+        import warnings
+        import torch
+        from torch.nn.init import sparse_ as early_sparse_
+        early_sparse = torch.nn.init.sparse
+        import ember.csprng as csprng
+        warnings.simplefilter("ignore")
+        for fn in (early_sparse_, early_sparse):
+            state = torch.default_generator.get_state().clone()
+            try:
+                fn(torch.empty(8, 4), 0.5, generator=csprng.create_generator(0))
+                print("drew")
+            except TypeError as e:
+                print("TypeError", "import ember.csprng" in str(e))
+            print("mt untouched", torch.equal(state, torch.default_generator.get_state()))
+        w = torch.nn.init.sparse_(torch.empty(8, 4), 0.5, generator=csprng.create_generator(0))
+        print("module call zeros", int((w == 0).sum()))
+        early_sparse_(torch.empty(8, 4), 0.5, generator=torch.Generator().manual_seed(0))
+        print("torch generator ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.stdout.split("\n")[:-1] == [
+        "TypeError True", "mt untouched True", "TypeError True", "mt untouched True",
+        "module call zeros 16", "torch generator ok"], res.stdout + res.stderr

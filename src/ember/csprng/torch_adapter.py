@@ -419,6 +419,29 @@ def _scalar_method(method: str, names: tuple[str, ...], defaults: tuple[Any, ...
     return impl
 
 
+def _normal_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # torch's own nn.init.sparse_ (held by code that bound it before ember was imported) draws
+    # its values with this call and its zero pattern from the global Mersenne Twister next:
+    # refuse it here, before anything is drawn
+    frame = sys._getframe(1)
+    for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
+        if frame is None:
+            break
+        if frame.f_code in _EARLY_BOUND_CODES:
+            raise TypeError(
+                "torch.nn.init.sparse_ bound before `import ember.csprng` (e.g. `from "
+                "torch.nn.init import sparse_`) draws its zero pattern from torch's global "
+                "Mersenne Twister, not from the ember generator; import ember.csprng first or "
+                "call torch.nn.init.sparse_ through the module")
+        frame = frame.f_back
+    return _normal_impl(self, *args, **kwargs)
+
+
+_normal_impl = _scalar_method("normal_", ("mean", "std"), (0.0, 1.0))
+# code objects of torch functions that are unsafe with an ember generator when called directly
+_EARLY_BOUND_CODES: set[Any] = set()
+
+
 def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     low, high = _pick(args, kwargs, ("from", "to"), (None, None))
@@ -457,7 +480,7 @@ _TORCH = {
 }
 _TENSOR = {
     "uniform_": _scalar_method("uniform_", ("from", "to"), (0.0, 1.0)),
-    "normal_": _scalar_method("normal_", ("mean", "std"), (0.0, 1.0)),
+    "normal_": _normal_,
     "log_normal_": _scalar_method("log_normal_", ("mean", "std"), (1.0, 2.0)),
     "exponential_": _scalar_method("exponential_", ("lambd",), (1.0,)),
     "cauchy_": _scalar_method("cauchy_", ("median", "sigma"), (0.0, 1.0)),
