@@ -10,6 +10,7 @@ ember generator instead of drawing from its inherited Mersenne Twister state.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -579,36 +580,79 @@ _VMAP_ERROR = ("vmap: called random operation while in randomness error mode. Pl
                "operation out of vmap")
 
 
+def _interpreters() -> list[Any]:
+    """torch.func's interpreters on the stack, outermost first."""
+    from torch._functorch import pyfunctorch
+
+    every = getattr(pyfunctorch, "retrieve_all_functorch_interpreters", None)
+    interps = every() if every is not None else [
+        pyfunctorch.retrieve_current_functorch_interpreter()]
+    return sorted(interps, key=lambda i: i.level())
+
+
+def _vmap_key() -> Any:
+    from torch._functorch.pyfunctorch import TransformType
+
+    return TransformType.Vmap
+
+
+def _batched_anywhere(t: torch.Tensor) -> bool:
+    """Whether ``t`` is batched by a vmap at some level, under any other torch.func wrappers."""
+    while True:
+        if _functorch.is_batchedtensor(t):
+            return True
+        if not _functorch.is_functorch_wrapped_tensor(t):
+            return False
+        t = _functorch.get_unwrapped(t)
+
+
 def _under_transform(name: str, impl: Callable[..., Any], args: Any, kwargs: dict) -> Any:
-    """A draw inside a torch.func transform: vmap's randomness modes, as torch's generator has them.
+    """A draw inside torch.func transforms: vmap's randomness modes, as torch's generator has them.
 
-    ``"error"`` raises as torch does; ``"same"`` draws once for all batch elements; ``"different"``
-    draws one independent result per batch element (of the innermost vmap) and batches them.
-    Draws that take batched tensors, and in-place draws with ``"different"``, raise.
+    Every vmap on the stack counts, not only the innermost (``vmap(grad(f))``, ``jacfwd`` and
+    ``hessian`` are vmaps around other transforms): ``"error"`` at any level raises as torch does;
+    ``"same"`` shares the draw across that vmap's batch; ``"different"`` draws one independent
+    result per batch element of every such vmap and batches them at their levels. Draws that take
+    batched tensors, and in-place draws with ``"different"``, raise.
     """
-    from torch._functorch.pyfunctorch import TransformType, retrieve_current_functorch_interpreter
-
-    interp = retrieve_current_functorch_interpreter()
-    if interp.key() != TransformType.Vmap:
+    interps = _interpreters()
+    vmaps = [i for i in interps if i.key() == _vmap_key()]
+    if not vmaps:
         return _call(impl, args, kwargs)
-    randomness = interp.randomness()
-    if randomness == "error":
+    if any(v.randomness() == "error" for v in vmaps):
         raise RuntimeError(_VMAP_ERROR)
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if any(_functorch.is_batchedtensor(t) for t in tensors):
+    if any(_batched_anywhere(t) for t in tensors):
         raise RuntimeError(
             f"ember.csprng: {name} with a batched tensor argument inside torch.vmap is not "
             "supported; draw with factory functions (torch.rand/randn/randint/randperm/normal "
             "with a size) inside vmap, or draw outside it")
-    if randomness == "same":
+    different = [v for v in vmaps if v.randomness() == "different"]
+    if not different:
         return _call(impl, args, kwargs)
     if name.endswith("_") or "out" in kwargs:
         raise RuntimeError(
             "vmap: Cannot ask for different inplace randomness on an unbatched tensor. This "
             "will appear like same randomness. If this is necessary for your usage, please file "
             f"an issue with functorch. (ember.csprng: {name})")
-    draws = [_call(impl, args, dict(kwargs)) for _ in range(interp.batch_size())]
-    return _functorch._add_batch_dim(torch.stack(draws), 0, interp.level())
+    sizes = [v.batch_size() for v in different]
+    count = math.prod(sizes)
+    # plain tensors (the values of any unbatched tensor arguments: a draw does not differentiate
+    # them); the levels are added below, in order
+    args = tuple(_unwrapped(a) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: _unwrapped(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with torch._C._DisableFuncTorch():
+        draws = torch.stack([_call(impl, args, dict(kwargs)) for _ in range(count)])
+        draws = draws.reshape(*sizes, *draws.shape[1:])
+    batched = False
+    for i in interps:  # outermost first: each level's wrapper holds the inner ones' dims
+        if i.key() == _vmap_key():
+            if i.randomness() == "different":
+                draws = _functorch._add_batch_dim(draws, 0, i.level())
+                batched = True
+        elif batched:  # grad/jvp inside a batching vmap: what its ops return is wrapped for it
+            draws = _functorch._wrap_for_grad(draws, i.level())
+    return draws
 
 
 try:
