@@ -418,3 +418,19 @@ def test_sparse_init_bound_before_ember_was_imported_raises():
     assert res.stdout.split("\n")[:-1] == [
         "TypeError True", "mt untouched True", "TypeError True", "mt untouched True",
         "module call zeros 16", "torch generator ok"], res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- review 2: uniform_ bounds
+@pytest.mark.parametrize("dtype,a,b", [
+    (torch.float16, -1e38, 1e38), (torch.float16, 1e300, 1e301), (torch.bfloat16, 1e300, 1e301),
+    (torch.float32, 1e300, 1e301), (torch.float16, -65504, 65504), (torch.float32, -3e38, 3e38),
+    (torch.bfloat16, -3e38, 3e38), (torch.float16, 65504, 65520), (torch.float16, 0, 70000),
+    (torch.float64, -1.7e308, 1.7e308), (torch.float16, 0, 65504), (torch.float16, -65504, 0),
+    (torch.float32, 0, 3.4e38),
+])
+def test_uniform_bounds_outside_the_dtype_raise_like_torch(dtype, a, b):
+    mine, theirs = assert_same_outcome(
+        lambda g: torch.empty(1000, dtype=dtype).uniform_(a, b, generator=g))
+    if theirs is not None:
+        assert bool(mine.isfinite().all())
+        assert float(mine.min()) >= a and float(mine.max()) <= b

@@ -75,8 +75,27 @@ def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
             raise UnsupportedDtype(f"random_: not implemented for {t.dtype}")
         raise InvalidArgument("random_ with bounds handles only integral, floating-point and "
                               f"boolean types, got {t.dtype}")
+    if method == "uniform_" and t.is_floating_point() and len(params) == 2:
+        _check_uniform_bounds(t.dtype, *params)
     if method in ("normal_", "log_normal_") and len(params) == 2 and _isnan(params[1]):
         raise InvalidArgument(f"{method} expects std >= 0.0, but found std nan")
+
+
+def _check_uniform_bounds(dtype: torch.dtype, low: Any, high: Any) -> None:
+    """torch's checks of uniform_'s bounds: each within the dtype's finite range, and the width
+    too (else the values would be inf)."""
+    try:
+        low, high = float(low), float(high)
+    except (TypeError, ValueError):
+        return  # the sampler refuses it with the argument named
+    info = torch.finfo(dtype)
+    for name, v in (("from", low), ("to", high)):
+        if v < info.min or v > info.max:
+            raise InvalidArgument(f"uniform_: {name} is out of bounds for {dtype}, got {name}={v} "
+                                  f"(finite range {info.min}..{info.max})")
+    if high - low > info.max:
+        raise InvalidArgument(f"uniform_ expects to-from <= {info.max} (the largest {dtype}), but "
+                              f"found to={high} and from={low}, which exceed it")
 
 
 def _isnan(x: Any) -> bool:
