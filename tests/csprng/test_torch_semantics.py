@@ -434,3 +434,23 @@ def test_uniform_bounds_outside_the_dtype_raise_like_torch(dtype, a, b):
     if theirs is not None:
         assert bool(mine.isfinite().all())
         assert float(mine.min()) >= a and float(mine.max()) <= b
+
+
+# ---------------------------------------------------------------- review 2: normal's tensor overloads
+@pytest.mark.parametrize("call", [
+    lambda g: torch.normal(torch.zeros(3, dtype=torch.int64), torch.ones(3), generator=g),
+    lambda g: torch.normal(torch.zeros(3), torch.ones(3), generator=g,
+                           out=torch.empty(3, dtype=torch.int64)),
+    lambda g: torch.normal(torch.zeros(3), 1.0, generator=g, out=torch.empty(3, dtype=torch.int32)),
+    lambda g: torch.normal(torch.zeros(3, requires_grad=True), torch.ones(3), generator=g,
+                           out=torch.empty(3)),
+    lambda g: torch.normal(0.0, torch.ones(3, requires_grad=True), generator=g, out=torch.empty(3)),
+    lambda g: torch.normal(torch.zeros(3), torch.ones(3, dtype=torch.int64), generator=g),
+    lambda g: torch.normal(torch.zeros(3, dtype=torch.float16), torch.ones(3), generator=g),
+    lambda g: torch.normal(torch.zeros(3), torch.ones(3, dtype=torch.float64), generator=g),
+], ids=["int-mean", "int-out", "int-out-float-std", "out-mean-grad", "out-std-grad", "int-std",
+        "f16-f32", "f32-f64"])
+def test_normal_tensor_overloads_dtypes_and_out_like_torch(call):
+    mine, theirs = assert_same_outcome(call)
+    if theirs is not None:
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape

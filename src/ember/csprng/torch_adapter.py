@@ -349,8 +349,21 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     if not st and not float(std) >= 0:
         raise RuntimeError(f"normal expects std >= 0.0, but found std {float(std)}")
     ref = mean if mt else std
+    if not (ref.is_floating_point() or ref.is_complex()):  # torch draws into mean's dtype first
+        raise UnsupportedDtype(f"normal: not implemented for {ref.dtype} "
+                               f"{'mean' if mt else 'std'} (torch raises too)")
+    if out is not None:
+        if not (out.is_floating_point() or out.is_complex()):
+            raise UnsupportedDtype(f"normal: not implemented for out= of dtype {out.dtype}")
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                           for x in (mean, std)):
+            raise RuntimeError("normal(): functions with out=... arguments don't support "
+                               "automatic differentiation, but one of the arguments requires "
+                               "grad.")
     shape = torch.broadcast_shapes(mean.shape if mt else (), std.shape if st else ())
-    dtype = torch.result_type(mean, std) if (mt and st) else ref.dtype
+    # torch draws into the output (out=, else a tensor of mean's dtype, or std's for a float
+    # mean) and scales and shifts it in place: the output keeps that dtype
+    dtype = out.dtype if out is not None else ref.dtype
     # the tensor overloads draw standard normals, then scale and shift them
     z = fill_(torch.empty(shape, dtype=dtype, device=ref.device), g, "normal_", 0.0, 1.0)
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
@@ -358,6 +371,7 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
         res = _ScaleShift.apply(z, std, mean)  # torch defines zero gradients for mean and std
     else:
         res = z * std + mean
+    res = res.to(dtype)
     if out is not None:
         out.resize_(res.shape).copy_(res)
         return out
