@@ -454,3 +454,42 @@ def test_normal_tensor_overloads_dtypes_and_out_like_torch(call):
     mine, theirs = assert_same_outcome(call)
     if theirs is not None:
         assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+
+
+# ---------------------------------------------------------------- review 2: draws from inputs requiring grad
+@pytest.mark.parametrize("draw", [
+    lambda x, g: torch.bernoulli(x, generator=g),
+    lambda x, g: x.bernoulli(generator=g),
+    lambda x, g: torch.poisson(x, generator=g),
+], ids=["bernoulli", "Tensor.bernoulli", "poisson"])
+def test_draws_from_an_input_requiring_grad_give_torchs_zero_gradient(draw):
+    for gen in (eg(), tg()):
+        x = torch.full((3,), 0.5, requires_grad=True)
+        y = draw(x, gen)
+        assert y.requires_grad, type(gen)
+        (grad,) = torch.autograd.grad((y * 2).sum(), x)
+        assert torch.equal(grad, torch.zeros(3)), type(gen)
+        with torch.no_grad():
+            assert not draw(x, gen).requires_grad
+
+
+def test_bernoulli_with_float_p_from_an_input_requiring_grad_like_torch():
+    for gen in (eg(), tg()):
+        x = torch.full((3,), 0.5, requires_grad=True)
+        y = torch.bernoulli(x, 0.3, generator=gen)
+        assert y.requires_grad
+        with pytest.raises(RuntimeError, match="not implemented"):
+            y.sum().backward()
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: torch.bernoulli(torch.ones(5), torch.full((5,), 0.2), generator=g),
+    lambda g: torch.bernoulli(torch.ones(5, dtype=torch.int64), generator=g),
+    lambda g: torch.bernoulli(torch.ones(5, dtype=torch.bool), generator=g),
+    lambda g: torch.empty(5).bernoulli_(torch.ones(5, dtype=torch.bool), generator=g),
+    lambda g: torch.empty(5).bernoulli_(torch.ones(5, dtype=torch.int64), generator=g),
+    lambda g: torch.poisson(torch.ones(3, dtype=torch.int64), generator=g),
+    lambda g: torch.poisson(torch.ones(3, dtype=torch.complex64), generator=g),
+], ids=["tensor-p", "int-p", "bool-p", "bool-p_", "int-p_", "poisson-int", "poisson-complex"])
+def test_bernoulli_and_poisson_argument_types_like_torch(call):
+    assert_same_outcome(call)

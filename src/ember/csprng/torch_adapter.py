@@ -75,6 +75,10 @@ def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
             raise UnsupportedDtype(f"random_: not implemented for {t.dtype}")
         raise InvalidArgument("random_ with bounds handles only integral, floating-point and "
                               f"boolean types, got {t.dtype}")
+    if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor) and not (
+            params[0].is_floating_point() or params[0].is_complex()):
+        raise UnsupportedDtype(f"bernoulli_: not implemented for p of dtype {params[0].dtype} "
+                               "(torch raises too)")
     if method == "uniform_" and t.is_floating_point() and len(params) == 2:
         _check_uniform_bounds(t.dtype, *params)
     if method in ("normal_", "log_normal_") and len(params) == 2 and _isnan(params[1]):
@@ -402,9 +406,45 @@ def _bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     out = kwargs.pop("out", None)
     (p,) = _pick(args, kwargs, ("p",), (None,))
+    if isinstance(p, torch.Tensor):
+        raise TypeError("bernoulli(): p must be a float (torch has no bernoulli(input, Tensor p)"
+                        "; use input.bernoulli_(p))")
+    if p is None and not (input.is_floating_point() or input.is_complex()):
+        raise UnsupportedDtype(f"bernoulli: not implemented for p of dtype {input.dtype} "
+                               "(torch raises too)")
     t = out.resize_(input.shape) if out is not None else torch.empty_like(
         input, memory_format=torch.contiguous_format)
-    return fill_(t, g, "bernoulli_", input if p is None else p)
+    res = fill_(t, g, "bernoulli_", input if p is None else p)
+    if out is None:
+        res = _no_gradient(res, input, "bernoulli" if p is None else None)
+    return res
+
+
+def _no_gradient(res: torch.Tensor, input: torch.Tensor, name: str | None) -> torch.Tensor:
+    """``res`` (drawn from ``input``) as torch returns it when ``input`` requires grad: requiring
+    grad too, with torch's zero gradient (or, ``name`` None, a backward that raises as torch's)."""
+    if not (input.requires_grad and torch.is_grad_enabled() and res.is_floating_point()):
+        return res
+    return _ZeroGradient.apply(res, input, name)
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """The identity on a draw, whose gradient to the tensor it was drawn from is zero."""
+
+    @staticmethod
+    def forward(res: torch.Tensor, input: torch.Tensor, name: str | None) -> torch.Tensor:
+        return res.view_as(res)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        _, input, ctx.name = inputs
+        ctx.like = (input.shape, input.dtype, input.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.name is None:
+            raise RuntimeError("derivative for aten::bernoulli is not implemented")
+        return None, torch.zeros(ctx.like[0], dtype=ctx.like[1], device=ctx.like[2]), None
 
 
 def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -424,9 +464,11 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
+    if not input.is_floating_point():
+        raise UnsupportedDtype(f"poisson: not implemented for {input.dtype} (torch raises too)")
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
         res = generator.sampler().poisson(_unwrapped(input))
-    return res.to(input.device)
+    return _no_gradient(res.to(input.device), input, "poisson")
 
 
 def _unwrapped(t: torch.Tensor) -> torch.Tensor:
