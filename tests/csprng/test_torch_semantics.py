@@ -493,3 +493,49 @@ def test_bernoulli_with_float_p_from_an_input_requiring_grad_like_torch():
 ], ids=["tensor-p", "int-p", "bool-p", "bool-p_", "int-p_", "poisson-int", "poisson-complex"])
 def test_bernoulli_and_poisson_argument_types_like_torch(call):
     assert_same_outcome(call)
+
+
+# ---------------------------------------------------------------- review 2: exception classes
+@pytest.mark.parametrize("call", [
+    lambda g: torch.empty(5, dtype=torch.complex64).log_normal_(generator=g),
+    lambda g: torch.empty(5).geometric_(1.0, generator=g),
+    lambda g: torch.empty(5).geometric_(0.0, generator=g),
+    lambda g: torch.empty(5, dtype=torch.int64).exponential_(generator=g),
+    lambda g: torch.empty(5, dtype=torch.int64).cauchy_(generator=g),
+    lambda g: torch.empty(5, dtype=torch.int64).log_normal_(generator=g),
+    lambda g: torch.randperm(5, dtype=torch.bool, generator=g),
+    lambda g: torch.randperm(5, dtype=torch.uint16, generator=g),
+    lambda g: torch.randperm(5, dtype=torch.uint32, generator=g),
+    lambda g: torch.randperm(5, dtype=torch.uint64, generator=g),
+    lambda g: torch.randperm(5, dtype=torch.complex64, generator=g),
+    lambda g: torch.rand(3, dtype=torch.float8_e4m3fn, generator=g),
+    lambda g: torch.randn(3, dtype=torch.float8_e5m2, generator=g),
+    lambda g: torch.empty(3, dtype=torch.float8_e4m3fn).uniform_(generator=g),
+    lambda g: torch.multinomial(torch.ones(3, dtype=torch.int64), 1, generator=g),
+    lambda g: torch.multinomial(torch.ones(4), 2, generator=g, out=torch.empty(2, dtype=torch.int32)),
+    lambda g: torch.rand_like(torch.ones(3), pin_memory=True, generator=g),
+    lambda g: torch.rand(3, layout=torch.sparse_coo, generator=g),
+    lambda g: torch.randperm(5, layout=torch.sparse_coo, generator=g),
+    lambda g: torch.ones(3).to_sparse().uniform_(generator=g),
+], ids=["log_normal_-complex", "geometric_-1", "geometric_-0", "exponential_-int", "cauchy_-int",
+        "log_normal_-int", "randperm-bool", "randperm-uint16", "randperm-uint32", "randperm-uint64",
+        "randperm-complex", "rand-float8", "randn-float8", "uniform_-float8", "multinomial-int",
+        "multinomial-out-int32", "rand_like-pin_memory", "rand-sparse", "randperm-sparse",
+        "uniform_-sparse"])
+def test_refusals_raise_torchs_exception_class(call):
+    assert_same_outcome(call)
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: torch.multinomial(torch.tensor([1.0, 0.0, 0.0]), 2, generator=g),
+    lambda g: torch.randperm(300, dtype=torch.bfloat16, generator=g),
+], ids=["multinomial-few-nonzero", "randperm-bfloat16"])
+def test_calls_torch_accepts_succeed_with_its_shape_and_dtype(call):
+    mine, theirs = assert_same_outcome(call)
+    assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+
+
+def test_multinomial_without_replacement_takes_the_non_zero_categories_first():
+    for _ in range(5):
+        got = torch.multinomial(torch.tensor([0.0, 1.0, 0.0, 2.0]), 3, generator=eg())
+        assert sorted(got[:2].tolist()) == [1, 3] and got[2] in (0, 2)

@@ -43,6 +43,11 @@ class UnsupportedDtype(NotImplementedError, TypeError):
     TypeError)."""
 
 
+class UnsupportedLayout(NotImplementedError, TypeError):
+    """A tensor layout the draws do not fill (sparse, ...): torch raises NotImplementedError (also
+    a TypeError)."""
+
+
 def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """``impl(*args, **kwargs)``, with ember's ValueErrors raised as torch raises them."""
     try:
@@ -59,12 +64,27 @@ _FLOAT_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_
 _UINTS = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
 # methods torch refuses for complex tensors, and the error type it raises
 _REAL_ONLY = {"bernoulli_": "UnsupportedDtype", "geometric_": "UnsupportedDtype",
-              "exponential_": "InvalidArgument", "cauchy_": "InvalidArgument"}
+              "log_normal_": "UnsupportedDtype", "exponential_": "InvalidArgument",
+              "cauchy_": "InvalidArgument"}
+
+
+_RANDPERM_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                   torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
-    if method in _FLOAT_METHODS and not (t.is_floating_point() or t.is_complex()):
+    if str(t.dtype).startswith(("torch.float8", "torch.float4")):
         raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
+    if method == "randperm_" and t.dtype not in _RANDPERM_DTYPES:
+        raise UnsupportedDtype(f"randperm: not implemented for {t.dtype} (torch raises too)")
+    if method in _FLOAT_METHODS and not (t.is_floating_point() or t.is_complex()):
+        if method in ("exponential_", "cauchy_"):  # torch raises RuntimeError for these two
+            raise InvalidArgument(f"{method}: the distribution is continuous; the dtype must be "
+                                  f"floating-point, got {t.dtype}")
+        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
+    if method == "geometric_" and params and _is_number(params[0]) and not (
+            0.0 < float(params[0]) < 1.0):
+        raise InvalidArgument(f"geometric_ expects p to be in (0, 1), but got p={params[0]}")
     if method in ("random_", "bernoulli_", "geometric_") and t.dtype in _UINTS:
         raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
     if method in _REAL_ONLY and t.is_complex():
@@ -102,6 +122,10 @@ def _check_uniform_bounds(dtype: torch.dtype, low: Any, high: Any) -> None:
                               f"found to={high} and from={low}, which exceed it")
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _isnan(x: Any) -> bool:
     return isinstance(x, float) and x != x
 
@@ -126,8 +150,8 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{method}: only strided tensors are supported, got {t.layout}")
+    if t.layout != torch.strided:  # torch has no random kernels for other layouts either
+        raise UnsupportedLayout(f"{method}: only strided tensors are supported, got {t.layout}")
     if not fresh and t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation.")
@@ -232,6 +256,7 @@ def _new_like(input: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool, bo
     requires_grad = bool(kwargs.pop("requires_grad", False))
     t = torch.empty_like(input, dtype=kwargs.pop("dtype", None), layout=kwargs.pop("layout", None),
                          device=kwargs.pop("device", None),
+                         pin_memory=bool(kwargs.pop("pin_memory", False)),
                          memory_format=kwargs.pop("memory_format", torch.preserve_format))
     if kwargs:
         raise TypeError(f"unexpected keyword arguments: {sorted(kwargs)}")
@@ -454,6 +479,14 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
+    if not input.is_floating_point():
+        raise InvalidArgument(f"multinomial only supports floating-point dtypes for input, got: "
+                              f"{input.dtype}")
+    if input.dim() in (1, 2) and input.shape[-1] > 1 << 24:
+        raise InvalidArgument("multinomial: number of categories cannot exceed 2^24, got "
+                              f"{input.shape[-1]}")
+    if out is not None and out.dtype != torch.int64:
+        raise InvalidArgument(f"multinomial expects Long tensor out, got: {out.dtype}")
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
         res = g.sampler().multinomial(_unwrapped(input), num_samples, bool(replacement))
     res = res.to(input.device)
