@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
 import torch
@@ -539,3 +540,22 @@ def test_multinomial_without_replacement_takes_the_non_zero_categories_first():
     for _ in range(5):
         got = torch.multinomial(torch.tensor([0.0, 1.0, 0.0, 2.0]), 3, generator=eg())
         assert sorted(got[:2].tolist()) == [1, 3] and got[2] in (0, 2)
+
+
+# ---------------------------------------------------------------- review 2: wide float ranges
+@pytest.mark.parametrize("dtype,low,high", [
+    (torch.float32, 0, 2**30), (torch.float64, 0, 2**60), (torch.float16, 0, 65505),
+    (torch.float16, -65504, 0), (torch.float16, 0, 65506), (torch.float16, -65505, 0),
+    (torch.bfloat16, -(2**40), 2**40), (torch.float64, -(2**63), 2**63 - 1),
+])
+def test_random_float_ranges_past_the_exact_integers_like_torch(dtype, low, high):
+    for call in (lambda g: torch.empty(4000, dtype=dtype).random_(low, high, generator=g),
+                 lambda g: torch.randint(low, high, (4000,), dtype=dtype, generator=g)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mine, theirs = assert_same_outcome(call)
+        if theirs is not None:
+            assert any("out of bounds" in str(w.message) for w in caught)
+            assert mine.dtype == theirs.dtype
+            assert float(mine.min()) >= low and float(mine.max()) <= high
+            assert float(mine.max() - mine.min()) > (high - low) / 2  # spread over the range

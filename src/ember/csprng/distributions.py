@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -540,12 +541,15 @@ class NativeSampler:
         low, high = int(low), int(high)
         if high <= low:
             raise ValueError(f"random_: expected from < to, got from={low}, to={high}")
-        dmin, dmax = representable_range(dtype)
-        if low < dmin or high - 1 > dmax:
-            raise ValueError(
-                f"random_: range [{low}, {high}) does not fit dtype {dtype} "
-                f"(representable integers {dmin}..{dmax})"
-            )
+        if dtype in _MANTISSA_BITS:
+            _check_float_range(dtype, low, high)
+        else:
+            dmin, dmax = representable_range(dtype)
+            if low < dmin or high - 1 > dmax:
+                raise ValueError(
+                    f"random_: range [{low}, {high}) does not fit dtype {dtype} "
+                    f"(representable integers {dmin}..{dmax})"
+                )
         n = out.numel()
         r = high - low
         wide = r > 1 << 32
@@ -902,6 +906,24 @@ def _below(b: float, dtype: torch.dtype) -> float:
     """The largest value of ``dtype`` strictly below ``b``."""
     t = torch.tensor(b, dtype=dtype)
     return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype)))
+
+
+def _check_float_range(dtype: torch.dtype, low: int, high: int) -> None:
+    """torch's rules for integers in ``[low, high)`` drawn into a float dtype: both ends within
+    its finite range, and a warning where they pass its exact integers (the values are the
+    integers drawn, rounded to the dtype)."""
+    info = torch.finfo(dtype)
+    for name, v in (("from", low), ("to - 1", high - 1)):
+        if not info.min <= v <= info.max:
+            raise ValueError(f"random_: {name} is out of bounds for {dtype}, got {v}")
+    digits = _MANTISSA_BITS[dtype]
+    for name, v in (("from", low), ("to - 1", high - 1)):
+        if not -(1 << digits) <= v <= 1 << digits:
+            warnings.warn(
+                f"{name} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision "
+                f"limitations {dtype} can support discrete uniform distribution only within this "
+                "range (ember.csprng draws the integers exactly and rounds them to the dtype, as "
+                "torch does)", UserWarning, stacklevel=4)
 
 
 @functools.cache
