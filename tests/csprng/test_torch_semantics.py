@@ -559,3 +559,73 @@ def test_random_float_ranges_past_the_exact_integers_like_torch(dtype, low, high
             assert mine.dtype == theirs.dtype
             assert float(mine.min()) >= low and float(mine.max()) <= high
             assert float(mine.max() - mine.min()) > (high - low) / 2  # spread over the range
+
+
+# ---------------------------------------------------------------- review 2: meta and fake tensors
+_ABSTRACT_CALLS = {
+    "rand": lambda g: torch.rand(3, generator=g),
+    "randn": lambda g: torch.randn(2, 3, generator=g),
+    "randint": lambda g: torch.randint(0, 5, (3,), generator=g),
+    "randperm": lambda g: torch.randperm(4, generator=g),
+    "normal-size": lambda g: torch.normal(0.0, 1.0, (3,), generator=g),
+    "normal_": lambda g: torch.empty(3).normal_(generator=g),
+    "uniform_-f16": lambda g: torch.empty(3, dtype=torch.float16).uniform_(-2, 2, generator=g),
+    "normal-tensors": lambda g: torch.normal(torch.zeros(3), torch.ones(3), generator=g),
+    "bernoulli": lambda g: torch.bernoulli(torch.full((3,), 0.5), generator=g),
+    "poisson": lambda g: torch.poisson(torch.ones(3), generator=g),
+    "multinomial": lambda g: torch.multinomial(torch.ones(2, 4), 2, generator=g),
+    "rand_like": lambda g: torch.rand_like(torch.empty(2, 2), generator=g),
+    "kaiming": lambda g: torch.nn.init.kaiming_uniform_(torch.empty(3, 3), generator=g),
+}
+
+
+def _meta(r):
+    return (tuple(r.shape), r.dtype, r.device.type, type(r).__name__)
+
+
+@pytest.mark.parametrize("name", sorted(_ABSTRACT_CALLS))
+def test_draws_under_the_meta_device_context_like_torch(name):
+    call = _ABSTRACT_CALLS[name]
+    got = []
+    for gen in (eg(), tg()):
+        with torch.device("meta"):
+            mine = _outcome(call, gen)
+        got.append(mine[0] if mine[0] != "ok" else _meta(mine[1]))
+    assert got[0] == got[1]
+    g = eg()
+    with torch.device("meta"):
+        status, res = _outcome(call, g)
+    if status == "ok" and res.is_meta:
+        assert g.counter == 0  # nothing drawn for a meta tensor
+
+
+def test_default_device_meta_like_torch():
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        got = [torch.rand(3, generator=gen).device.type for gen in (eg(), tg())]
+        plain = torch.randperm(3).device.type  # importing ember keeps torch's own calls on meta
+    finally:
+        torch.set_default_device(before)
+    assert got == ["meta", "meta"] and plain == "meta"
+
+
+def test_explicit_meta_device_draws_nothing():
+    g = eg()
+    out = torch.rand(1 << 24, device="meta", generator=g)
+    assert out.is_meta and out.shape == (1 << 24,) and g.counter == 0
+    x = torch.empty(1 << 24, device="meta").normal_(generator=g)
+    assert x.is_meta and g.counter == 0
+
+
+@pytest.mark.parametrize("name", sorted(_ABSTRACT_CALLS))
+def test_draws_under_fake_tensor_mode_like_torch(name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    call = _ABSTRACT_CALLS[name]
+    got = []
+    for gen in (eg(), tg()):
+        with FakeTensorMode():
+            mine = _outcome(call, gen)
+        got.append(mine[0] if mine[0] != "ok" else _meta(mine[1]))
+    assert got[0] == got[1]

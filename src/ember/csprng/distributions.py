@@ -898,14 +898,14 @@ def _mul64(w: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=256)
 def _rounded(x: float, dtype: torch.dtype) -> float:
     """``x`` rounded to ``dtype``."""
-    return float(torch.tensor(x, dtype=dtype))
+    return float(torch.tensor(x, dtype=dtype, device="cpu"))
 
 
 @functools.lru_cache(maxsize=256)
 def _below(b: float, dtype: torch.dtype) -> float:
     """The largest value of ``dtype`` strictly below ``b``."""
-    t = torch.tensor(b, dtype=dtype)
-    return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype)))
+    t = torch.tensor(b, dtype=dtype, device="cpu")
+    return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype, device="cpu")))
 
 
 def _check_float_range(dtype: torch.dtype, low: int, high: int) -> None:

@@ -156,6 +156,8 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation.")
     _check_dtype(t, method, params)
+    if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
+        return t
     sampler = generator.sampler()
     if _functorch.is_functorch_wrapped_tensor(t):
         # inside torch.func.grad/jvp/...: the wrapper has no storage; draw into a plain tensor
@@ -182,10 +184,18 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
         if not fresh and t.numel():
             _bump_version(t)
         return t
-    tmp = torch.empty(t.shape, dtype=t.dtype)
+    tmp = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     getattr(sampler, method)(tmp, *params)
     t.copy_(tmp)
     return t
+
+
+def _abstract(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a meta tensor or a FakeTensor (shapes only, no values)."""
+    if t.is_meta:
+        return True
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(t, fake.FakeTensor)
 
 
 def _complex_params(method: str, params: tuple) -> tuple:
@@ -362,6 +372,8 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
         size = args[2] if len(args) >= 3 else kwargs.pop("size")
         if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
             raise TypeError("normal(mean, std, size) takes float mean and std")
+        if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
+            kwargs["device"] = "cpu"
         t, rg, fresh = _new(_size((size,), {}), kwargs)
         return _finish(fill_(t, g, "normal_", float(mean), float(std), fresh=fresh), rg)
     mean, std = _pick(args, {k: kwargs.pop(k) for k in ("mean", "std") if k in kwargs},
@@ -373,7 +385,8 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     mt, st = isinstance(mean, torch.Tensor), isinstance(std, torch.Tensor)
     if not (mt or st):
         raise TypeError("normal(mean, std) with float mean and std needs a size")
-    if st and bool(((std < 0) | std.isnan()).any()):
+    abstract = any(isinstance(x, torch.Tensor) and _abstract(x) for x in (mean, std))
+    if st and not abstract and bool(((std < 0) | std.isnan()).any()):
         raise RuntimeError("normal expects all elements of std >= 0.0")
     if not st and not float(std) >= 0:
         raise RuntimeError(f"normal expects std >= 0.0, but found std {float(std)}")
@@ -487,6 +500,11 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
                               f"{input.shape[-1]}")
     if out is not None and out.dtype != torch.int64:
         raise InvalidArgument(f"multinomial expects Long tensor out, got: {out.dtype}")
+    if _abstract(input):  # shapes only: nothing to draw
+        if input.dim() not in (1, 2):
+            raise InvalidArgument(f"multinomial: prob_dist must be 1 or 2 dim, got {input.dim()}")
+        res = torch.empty((*input.shape[:-1], num_samples), dtype=torch.int64, device=input.device)
+        return out.resize_(res.shape) if out is not None else res
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
         res = g.sampler().multinomial(_unwrapped(input), num_samples, bool(replacement))
     res = res.to(input.device)
@@ -499,6 +517,8 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
     if not input.is_floating_point():
         raise UnsupportedDtype(f"poisson: not implemented for {input.dtype} (torch raises too)")
+    if _abstract(input):  # shapes only: nothing to draw
+        return torch.empty_like(input)
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
         res = generator.sampler().poisson(_unwrapped(input))
     return _no_gradient(res.to(input.device), input, "poisson")
@@ -644,6 +664,13 @@ def install() -> None:
     """Route torch's random functions to ember for ember generators (idempotent)."""
     if _ORIGINALS:
         return
+    # torch.device(...) as a context manager (and set_default_device) puts the factories that
+    # it finds in this set on its device; it is built from torch.rand & co. on first use, so
+    # build it now, from torch's own functions, and add the wrappers below
+    from torch.utils import _device
+
+    known = getattr(_device, "_device_constructors", None)
+    base = known() if known is not None else None
     for name, impl in _TORCH.items():
         original = getattr(torch, name, None)
         if original is None:
@@ -656,6 +683,10 @@ def install() -> None:
         original = getattr(torch.Tensor, name)
         _ORIGINALS[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _INHERITED)
         setattr(torch.Tensor, name, _wrap(original, impl))
+    if isinstance(base, (set, frozenset)):
+        wrappers = {getattr(torch, n) for (m, n), o in _ORIGINALS.items() if m is torch and o in base}
+        _ORIGINALS[(_device, "_device_constructors")] = known
+        _device._device_constructors = functools.lru_cache(1)(lambda: base | wrappers)
     from . import python_paths
 
     python_paths.install(_ORIGINALS)
