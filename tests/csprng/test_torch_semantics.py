@@ -629,3 +629,35 @@ def test_draws_under_fake_tensor_mode_like_torch(name):
             mine = _outcome(call, gen)
         got.append(mine[0] if mine[0] != "ok" else _meta(mine[1]))
     assert got[0] == got[1]
+
+
+# ---------------------------------------------------------------- review 2: low-severity argument rules
+def _grad_out(leaf: bool) -> torch.Tensor:
+    w = torch.ones(4, requires_grad=True)
+    return w if leaf else w * 2
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: torch.rand(generator=g),
+    lambda g: torch.randn(generator=g),
+    lambda g: torch.empty(3).uniform_("2", 3, generator=g),
+    lambda g: torch.empty(3).normal_("2", 3, generator=g),
+    lambda g: torch.empty(3, dtype=torch.int64).random_(0, 2**63, generator=g),
+    lambda g: torch.empty(3, dtype=torch.int64).random_(2**63, generator=g),
+    lambda g: torch.randint(0, 2**63, (3,), generator=g),
+    lambda g: torch.randint(0, 2**63, (3,), dtype=torch.uint64, generator=g),
+    lambda g: torch.rand(4, out=_grad_out(False), generator=g),
+    lambda g: torch.randn(4, out=_grad_out(False), generator=g),
+    lambda g: torch.rand(4, out=_grad_out(True), generator=g),
+], ids=["rand-no-size", "randn-no-size", "uniform_-str", "normal_-str", "random_-2**63",
+        "random_-to-2**63", "randint-2**63", "randint-uint64-2**63", "rand-out-nonleaf-grad",
+        "randn-out-nonleaf-grad", "rand-out-leaf-grad"])
+def test_low_severity_argument_rules_follow_torch(call):
+    assert_same_outcome(call)
+
+
+@pytest.mark.parametrize("n", [1.5, "2", True, None])
+def test_spawn_refuses_what_fold_in_refuses(n):
+    with pytest.raises(TypeError):
+        eg().spawn(n)
+    assert len(eg().spawn(2)) == 2

@@ -287,14 +287,31 @@ def _pick(args: Sequence[Any], kwargs: dict, names: Sequence[str], defaults: Seq
 
 
 # ---------------------------------------------------------------------- factories
+def _check_resizable_out(kwargs: dict) -> None:
+    # torch's rand/randn resize out= first, which refuses a tensor that requires grad
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor) and out.requires_grad and (
+            out.is_leaf or torch.is_grad_enabled()):
+        raise RuntimeError("cannot resize variables that require grad")
+
+
+def _check_size_given(name: str, args: Sequence[Any], kwargs: dict) -> None:
+    if not args and "size" not in kwargs:
+        raise TypeError(f'{name}() missing 1 required positional arguments: "size"')
+
+
 def _rand(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    _check_size_given("rand", args, kwargs)
+    _check_resizable_out(kwargs)
     t, rg, fresh = _new(_size(args, kwargs), kwargs)
     return _finish(fill_(t, g, "uniform_", 0.0, 1.0, fresh=fresh), rg)
 
 
 def _randn(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    _check_size_given("randn", args, kwargs)
+    _check_resizable_out(kwargs)
     t, rg, fresh = _new(_size(args, kwargs), kwargs)
     return _finish(fill_(t, g, "normal_", 0.0, 1.0, fresh=fresh), rg)
 
@@ -331,6 +348,10 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
     if "size" not in kwargs:
         raise TypeError('randint() missing 1 required positional argument: "size"')
     low, high = _int_arg(low, "randint(): low"), _int_arg(high, "randint(): high")
+    for v in (low, high):
+        if not -(1 << 63) <= v < 1 << 63:
+            raise InvalidArgument(f"randint: bound {v} overflows int64 (torch's parser takes "
+                                  "int64 bounds)")
     if low >= high:
         raise InvalidArgument(f"random_ expects 'from' to be less than 'to', but got "
                               f"from={low} >= to={high}")
@@ -544,7 +565,12 @@ def _unsupported(name: str) -> Callable[..., Any]:
 def _scalar_method(method: str, names: tuple[str, ...], defaults: tuple[Any, ...]):
     def impl(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         g = kwargs["generator"]
-        return fill_(self, g, method, *_pick(args, kwargs, names, defaults))
+        params = _pick(args, kwargs, names, defaults)
+        for name, v in zip(names, params, strict=True):
+            if isinstance(v, (str, bytes)):  # float() would parse it; torch's parser refuses
+                raise TypeError(f"{method}(): argument '{name}' must be float, not "
+                                f"{type(v).__name__}")
+        return fill_(self, g, method, *params)
     return impl
 
 
@@ -579,6 +605,10 @@ def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if high is None and len(args) == 1 and "from" not in kwargs:
         low, high = 0, low  # random_(to)
     low = 0 if low is None else _int_arg(low, "random_(): argument 'from'")
+    for v in (low, high):
+        if isinstance(v, int) and not -(1 << 63) <= v < 1 << 63:
+            raise InvalidArgument(f"random_: bound {v} overflows int64 (torch's parser takes "
+                                  "int64 bounds)")
     if high is None:
         from .distributions import representable_range
 
