@@ -239,7 +239,7 @@ def test_randint_and_randperm_fill_out_of_any_dtype_torch_accepts(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
 def test_randint_unsigned_dtypes(dtype):
-    top = torch.iinfo(dtype).max
+    top = min(torch.iinfo(dtype).max, 2**63 - 2)  # torch's parser takes int64 bounds
     x = torch.randint(0, 10, (500,), dtype=dtype, generator=eg())
     assert x.dtype == dtype and set(x.tolist()) == set(range(10))
     y = torch.randint(top - 5, top + 1, (500,), dtype=dtype, generator=eg())
@@ -251,11 +251,15 @@ def test_randint_unsigned_dtypes(dtype):
         assert_same_outcome(call)
 
 
-def test_randint_uint64_full_range_and_refills():
-    top = 2**64 - 1
-    x = torch.randint(0, top, (2000,), dtype=torch.uint64, generator=eg())  # rejects sometimes
+def test_randint_uint64_wide_range_and_bounds_past_int64():
+    top = 2**63 - 1
+    x = torch.randint(0, top, (2000,), dtype=torch.uint64, generator=eg())
     assert len(set(x.tolist())) == 2000
-    assert max(x.tolist()) > 2**63  # values above int64's range are written as themselves
+    assert max(x.tolist()) > 2**62
+    # torch's parser refuses bounds outside int64 (ValueError), for uint64 too
+    for low, high in ((0, 2**64 - 1), (2**63, 2**64), (0, 2**63)):
+        assert_same_outcome(lambda g, low=low, high=high: torch.randint(
+            low, high, (3,), dtype=torch.uint64, generator=g))
 
 
 # ---------------------------------------------------------------- 12. saved states
