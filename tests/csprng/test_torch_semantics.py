@@ -522,11 +522,12 @@ def test_bernoulli_and_poisson_argument_types_like_torch(call):
     lambda g: torch.rand(3, layout=torch.sparse_coo, generator=g),
     lambda g: torch.randperm(5, layout=torch.sparse_coo, generator=g),
     lambda g: torch.ones(3).to_sparse().uniform_(generator=g),
+    lambda g: torch.rand_like(torch.ones(3).to_sparse(), generator=g),
 ], ids=["log_normal_-complex", "geometric_-1", "geometric_-0", "exponential_-int", "cauchy_-int",
         "log_normal_-int", "randperm-bool", "randperm-uint16", "randperm-uint32", "randperm-uint64",
         "randperm-complex", "rand-float8", "randn-float8", "uniform_-float8", "multinomial-int",
         "multinomial-out-int32", "rand_like-pin_memory", "rand-sparse", "randperm-sparse",
-        "uniform_-sparse"])
+        "uniform_-sparse", "rand_like-sparse"])
 def test_refusals_raise_torchs_exception_class(call):
     assert_same_outcome(call)
 

@@ -263,6 +263,8 @@ def _finish(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _new_like(input: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool, bool]:
     kwargs.pop("generator", None)
+    if input.layout != torch.strided and kwargs.get("layout") in (None, input.layout):
+        raise UnsupportedLayout(f"only strided tensors are supported, got {input.layout}")
     requires_grad = bool(kwargs.pop("requires_grad", False))
     t = torch.empty_like(input, dtype=kwargs.pop("dtype", None), layout=kwargs.pop("layout", None),
                          device=kwargs.pop("device", None),
