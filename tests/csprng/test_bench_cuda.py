@@ -55,10 +55,26 @@ def test_table_and_goals():
     }
     table = bench.format_table([row, dict(row, case="randn float32")])
     assert "rand float32" in table and "0.30x" in table and "15%" in table
-    met = bench.goals([row, dict(row, case="randn float32", vs_philox=9.0)])
-    assert [g["met"] for g in met] == [False, False]
-    met = bench.goals([dict(row, vs_philox=0.5, of_copy=0.25)])
-    assert [g["met"] for g in met] == [True, True]
+    # AES at 15% of copy (goal 25%), ChaCha20 at 0.9x Philox (goal 0.5x), randn at 0.5x rand (0.7x)
+    met = bench.goals([row, dict(row, case="randn float32", aes128_gbps=150.0, chacha20_gbps=850.0)])
+    assert [g["met"] for g in met] == [False, True, False, True]
+    extra = {"small": {"ratio": 2.5}, "dp_noise": {"ratio": 0.5}, "cold": {"seconds": 1.5}}
+    met = bench.goals([dict(row, of_copy=0.25, chacha20_vs_philox=0.4)], extra)
+    assert [(g["goal"].split()[0], g["met"]) for g in met] == [
+        ("AES", True), ("ChaCha20", False), ("randn(1000)", False), ("ResNet-18", True), ("first", True)]
+
+
+def test_compile_only_counts_what_it_compiled(monkeypatch, capsys):
+    bench = load()
+    monkeypatch.setattr(bench, "compile_only", lambda arch: (3, 1.25, ["NVRTC: 3 kernels"]))
+    assert bench.main(["--compile-only"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "compile: 3 kernels, 1.2 s"
+
+
+def test_resnet18_shapes_are_its_62_parameter_tensors():
+    bench = load()
+    shapes = bench.RESNET18_SHAPES
+    assert len(shapes) == 62 and sum(int(torch.tensor(s).prod()) for s in shapes) == 11_689_512
 
 
 @pytest.mark.cuda

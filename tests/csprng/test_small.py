@@ -91,3 +91,16 @@ def test_small_normal_draws_fit_in_one_group():
     from ember.csprng.distributions import NORMAL_GROUP
 
     assert (small.SMALL_ITEMS + 1) // 2 <= NORMAL_GROUP
+
+
+@pytest.mark.parametrize("name", ["randn", "randn f64", "randn f16", "randn bf16", "normal affine",
+                                  "normal affine f64", "log_normal", "log_normal f64", "normal_ std 0"])
+@pytest.mark.parametrize("n", [65, 999, 1000, 2 * small.MEDIUM_PAIRS - 1, 2 * small.MEDIUM_PAIRS])
+def test_medium_normal_path_equals_numpy_path(monkeypatch, name, n):
+    draw = DRAWS[name]
+    fast, fast_counter = _three_draws(draw, n)
+    monkeypatch.setattr(small, "MEDIUM_PAIRS", 0)  # every draw through the chunked NumPy path
+    slow, slow_counter = _three_draws(draw, n)
+    assert fast_counter == slow_counter
+    for a, b in zip(fast, slow, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

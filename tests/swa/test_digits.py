@@ -1,5 +1,9 @@
 """A real small experiment: SGD vs SWA vs SWAG on scikit-learn's bundled digits data.
 
+The baselines: the final iterate of the SWA run (constant rate) and, the strongest simple one,
+SGD with the rate cosine-annealed to 0 over the same number of epochs, from the same initial
+weights and data order (issue 28: against it SWA's accuracy gain disappears).
+
 Run ``.venv/bin/python tests/swa/test_digits.py`` (add ``--full`` for the slow version) to print the
 per-seed table.
 """
@@ -62,15 +66,29 @@ def run_seed(
     wd: float = 5e-4,
 ):
     """Train one MLP with SGD (momentum 0.9, constant lr; the last ``swa_epochs`` epochs collect
-    once per epoch); return test metrics of the final SGD iterate, SWA and SWAG."""
+    once per epoch) and one with the rate cosine-annealed over all epochs; return test metrics of
+    the final SGD iterate (``sgd``), the cosine-annealed SGD (``cos``), SWA and SWAG."""
     x_tr, y_tr, x_te, y_te = _data()
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(
-        nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10)
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
     loss_fn = nn.CrossEntropyLoss()
+
+    def make():
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10))
+        return net, torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+
+    cos_model, cos_opt = make()
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(cos_opt, T_max=epochs + swa_epochs)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs + swa_epochs):
+        cos_model.train()
+        for xb, yb in _batches(x_tr, y_tr, 32, g):
+            cos_opt.zero_grad()
+            loss_fn(cos_model(xb), yb).backward()
+            cos_opt.step()
+        cosine.step()
+
+    model, opt = make()
+    g = torch.Generator().manual_seed(seed)
     swa = SWA(model)
     swag = SWAG(model, max_rank=10)
     for epoch in range(epochs + swa_epochs):
@@ -92,7 +110,8 @@ def run_seed(
         generator=torch.Generator().manual_seed(1000 + seed),
     )
     out = {}
-    for name, p in (("sgd", p_sgd), ("swa", p_swa), ("swag", p_swag)):
+    p_cos = _probs(cos_model, x_te)
+    for name, p in (("sgd", p_sgd), ("cos", p_cos), ("swa", p_swa), ("swag", p_swag)):
         out[f"acc_{name}"] = accuracy(p, y_te)
         out[f"nll_{name}"] = nll(p, y_te)
         out[f"ece_{name}"] = expected_calibration_error(p, y_te)
@@ -113,11 +132,15 @@ def run(seeds, **kw):
 
 
 def _check(mean):
+    # against the constant-rate final iterate SWA gains; against cosine-annealed SGD at the same
+    # epochs it does not lose more than a test example in 200 (the 8-seed run: 0.9783 vs 0.9784)
     assert mean["acc_swa"] >= mean["acc_sgd"], mean
+    assert mean["acc_swa"] >= mean["acc_cos"] - 0.005, mean
     assert mean["nll_swag"] < mean["nll_sgd"], mean
+    assert mean["nll_swag"] < mean["nll_cos"], mean
 
 
-def test_digits_swa_not_worse_than_sgd_and_swag_lowers_nll():
+def test_digits_swa_matches_annealed_sgd_and_swag_lowers_nll():
     _, mean = run(range(3))
     _check(mean)
 

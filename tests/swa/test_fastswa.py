@@ -13,7 +13,7 @@ from ember.swa.fastswa import FastSWA, FastSWASchedule
 
 
 def test_collection_points_are_every_k_steps_back_from_each_cycle_end_in_the_late_half():
-    s = FastSWASchedule(10, 2)
+    s = FastSWASchedule(10, 2, start=0.5)
     assert s.positions == [5, 7, 9] and s.per_cycle == 3
     assert [t for t in range(30) if s.collect_at(t)] == [5, 7, 9, 15, 17, 19, 25, 27, 29]
     assert FastSWASchedule(10, 3, start=0.0).positions == [0, 3, 6, 9]
@@ -21,7 +21,8 @@ def test_collection_points_are_every_k_steps_back_from_each_cycle_end_in_the_lat
 
 
 def test_every_equal_to_cycle_is_classic_cyclic_swa():
-    s = FastSWASchedule(7, 7)
+    s = FastSWASchedule(7, 7, start=0.5)
+    assert FastSWASchedule(7, 7).positions == [6]
     assert [t for t in range(40) if s.collect_at(t)] == [t for t in range(40) if is_cycle_end(t, 7)]
 
 
@@ -60,7 +61,8 @@ def _train(model, opt, fast, steps, g, seen=None, lrs=None):
 
 def test_fastswa_averages_the_collected_weights_and_drives_the_cyclic_rate():
     model, opt = _setup()
-    fast = FastSWA(model, opt, lr_max=0.1, lr_min=0.01, cycle=6, every=2)
+    fast = FastSWA(model, opt, lr_max=0.1, lr_min=0.01, cycle=6, every=2, start=0.5,
+                   shape="linear")
     g = torch.Generator().manual_seed(1)
     seen, lrs = [], []
     _train(model, opt, fast, 18, g, seen, lrs)
@@ -110,7 +112,8 @@ def test_quick_experiment_rows_have_the_contract_keys_and_finite_numbers():
     assert "fast-SWA" in bench.PROTOCOL
     rows = bench.experiment(quick=True, seeds=[0])
     assert {(r["method"], r["test_set"]) for r in rows} == {
-        (m, t) for m in ("SGD", "SWA", "fast-SWA") for t in ("clean", "pixel noise", "rotation")}
+        (m, t) for m in ("SGD (cosine)", "SGD", "SWA", "cyclic SWA (1/cycle)", "fast-SWA")
+        for t in ("clean", "pixel noise", "rotation")}
     for r in rows:
         assert r["experiment"] == "fastswa" and r["n_seeds"] == 1
         for metric in ("accuracy", "nll", "ece", "wall_s"):
@@ -118,3 +121,30 @@ def test_quick_experiment_rows_have_the_contract_keys_and_finite_numbers():
         assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["nll_mean"] > 0
     # every method learns: 10 classes, chance is 0.1
     assert all(r["accuracy_mean"] > 0.5 for r in rows if r["test_set"] == "clean")
+
+
+def test_default_collection_spans_the_whole_cycle_as_the_reference():
+    # issue 28: the reference (fastswa-semi-sup) collects every k steps across the whole cycle
+    assert FastSWASchedule(10, 2).positions == [1, 3, 5, 7, 9]
+    assert FastSWASchedule(10, 2, start=0.5).positions == [5, 7, 9]  # the window is an option
+
+
+def test_cosine_cycles():
+    import math
+
+    for s in range(12):
+        t = (s % 4 + 1) / 4
+        want = 0.01 + (0.05 - 0.01) * (1 + math.cos(math.pi * t)) / 2
+        assert cyclic_lr(s, lr_max=0.05, lr_min=0.01, cycle=4, shape="cosine") == pytest.approx(want)
+    with pytest.raises(ValueError, match="shape"):
+        cyclic_lr(0, lr_max=0.05, lr_min=0.01, cycle=4, shape="step")
+
+
+def test_fastswa_helper_defaults_to_cosine_cycles_and_whole_cycle_collection():
+    model, opt = _setup()
+    fast = FastSWA(model, opt, lr_max=0.1, lr_min=0.01, cycle=6, every=2)
+    lrs: list[float] = []
+    _train(model, opt, fast, 12, torch.Generator().manual_seed(3), lrs=lrs)
+    assert lrs == pytest.approx([cyclic_lr(t, lr_max=0.1, lr_min=0.01, cycle=6, shape="cosine")
+                                 for t in range(12)])
+    assert fast.swa.n_updates == 2 * 3  # positions 1, 3, 5 of each cycle

@@ -205,7 +205,11 @@ def test_bench_experiment_quick_structure():
     assert "temperature" in mod.PROTOCOL
     rows = mod.experiment(quick=True, seeds=[0])
     methods = {r["method"] for r in rows}
-    assert methods == {"SWA", "SWAG", "Subspace ESS", "Subspace VI"}
+    # issue 28: at temperature 1 a 5-D posterior collapses onto SWA; the paper's large
+    # temperatures are run too
+    temps = [f"T={t:g}" for t in mod.temperatures(1257, True)]
+    assert temps == ["T=1", "T=125.7"]
+    assert methods == {"SWA", "SWAG"} | {f"Subspace {k} {t}" for k in ("ESS", "VI") for t in temps}
     assert {r["test_set"] for r in rows} == {"clean", "pixel noise", "rotation"}
     for r in rows:
         assert r["experiment"] == "subspace" and r["n_seeds"] == 1

@@ -303,3 +303,58 @@ def test_quantized_model_under_torch_compile():
             out.sum().backward()
         assert all(_on_grid(row, 4) for row in out.detach())
         assert model[0].weight.grad is not None and torch.isfinite(model[0].weight.grad).all()
+
+
+def test_shared_exponent_is_clamped_to_eight_bits():
+    # SWALP's reference clamps the shared exponent to [-128, 127] (8 exponent bits)
+    tiny = torch.tensor([2.0 ** -140, -(2.0 ** -141)], dtype=torch.float64)
+    assert torch.equal(block_quantize(tiny, 8, rounding="nearest"), torch.zeros(2, dtype=torch.float64))
+    # exponent -140 clamped to -128: the step is 2^(-128 - 6) and 2^-134 is representable
+    assert block_quantize(torch.tensor([2.0 ** -134], dtype=torch.float64), 8,
+                          rounding="nearest").item() == 2.0 ** -134
+    huge = torch.tensor([2.0 ** 130], dtype=torch.float64)
+    assert block_quantize(huge, 8, rounding="nearest").item() == 127 * 2.0 ** (127 - 6)
+    # ebit=None: no bound (the block's own exponent)
+    assert torch.equal(block_quantize(tiny, 8, rounding="nearest", ebit=None), tiny)
+    assert torch.equal(BlockQuantizer(wl=8, rounding="nearest")(tiny), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="ebit"):
+        block_quantize(tiny, 8, ebit=1)
+
+
+def test_quantization_after_activations_and_at_layer_inputs():
+    # the reference quantizes after each activation and at conv inputs (and outputs): a layer
+    # never sees a full-precision input, even after a tanh (off any grid) or as the first conv
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 6), nn.Tanh(),
+                          nn.Linear(6, 3))
+    seen = {}
+    quantize_activations_(model, BlockQuantizer(wl=4, rounding="nearest"), None)
+    model[0].register_forward_pre_hook(lambda m, i: seen.__setitem__("conv_in", i[0].detach()))
+    model[3].register_forward_hook(lambda m, i, o: seen.__setitem__("tanh_out", o.detach()))
+    model[4].register_forward_pre_hook(lambda m, i: seen.__setitem__("lin_in", i[0].detach()))
+    out = model(torch.randn(5, 1, 4, 4, generator=torch.Generator().manual_seed(0)))
+    for name in ("conv_in", "tanh_out", "lin_in"):
+        assert _on_grid(seen[name], 4), name
+    assert _on_grid(out.detach(), 4)
+
+
+def test_averaged_model_is_evaluated_in_full_precision():
+    # issue 28, item 1: the hooks were deep-copied into SWA(model).module, so the average was
+    # evaluated with quantized activations (SWALP's reference evaluates it in full precision)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    plain.load_state_dict(model.state_dict())
+    handle = quantize_activations_(model, BlockQuantizer(wl=3, rounding="nearest"), None)
+    x = torch.randn(8, 4)
+    for avg in (SWA(model), ema_of(model)):
+        with torch.no_grad():
+            torch.testing.assert_close(avg.module(x), plain(x))
+    assert not torch.allclose(model(x), plain(x))  # the live model keeps its hooks
+    handle.remove()
+    torch.testing.assert_close(model(x), plain(x))
+
+
+def ema_of(model):
+    from ember.swa import EMA
+
+    return EMA(model)

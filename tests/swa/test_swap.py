@@ -184,5 +184,5 @@ def test_bench_experiment_quick_one_seed_has_every_row_with_finite_metrics(monke
             assert torch.isfinite(torch.tensor([r[f"{metric}_mean"], r[f"{metric}_std"]])).all()
         assert 0.0 <= r["accuracy_mean"] <= 1.0
     timed = {r["method"] for r in rows if "wall_s_mean" in r}
-    assert timed == {"small-batch SGD", "SWAP (2 processes)"}
+    assert timed == {"small-batch SGD (cosine)", "SWAP (2 processes)"}
     assert all(r["wall_s_mean"] > 0 for r in rows if "wall_s_mean" in r)

@@ -117,7 +117,8 @@ def _fast_run(tmp_path, kill_at=None, resume=None, precision="fp32"):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     names = [n for n, _ in model.named_parameters()][-2:]  # the last layer
     cfg = TrainConfig(epochs=3, ema_decay=0.9, swa_start=1, swa_lr=0.01, swa_lr_max=0.05,
-                      swa_schedule="cyclic", swa_cycle=4, swa_every_steps=1, swag_diagonal=True,
+                      swa_schedule="cyclic", swa_cycle=4, swa_every_steps=1, swag_rank=20,
+                      swag_diagonal=True,
                       swag_params=tuple(names), bn_batches=1, progress=False,
                       checkpoint_dir=tmp_path / "ckpt", resume=resume, precision=precision)
 
@@ -132,7 +133,7 @@ def _fast_run(tmp_path, kill_at=None, resume=None, precision="fp32"):
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_fast_swa_with_eval_and_swag_options_resumes_bit_identically(tmp_path, precision):
     whole = _fast_run(tmp_path / "a", precision=precision)
-    assert whole.swa.n_updates == 2 * 2  # 2 cycles of 4 steps, points 2 and 3 of each
+    assert whole.swa.n_updates == 2 * 4  # 2 cycles of 4 steps, every step of each
     assert "eval_swa_nll" in whole.history[-1] and "eval_ema_nll" in whole.history[-1]
     with pytest.raises(RuntimeError, match="killed"):
         _fast_run(tmp_path / "b", kill_at=7, precision=precision)

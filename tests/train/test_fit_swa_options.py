@@ -79,13 +79,30 @@ def test_cyclic_schedule_rates_and_fast_swa_collection_points():
     cycle, every = 5, 2
     config = TrainConfig(epochs=3, swa_start=1, swa_lr=0.01, swa_lr_max=0.1, swa_cycle=cycle,
                          swa_schedule="cyclic", swa_every_steps=every, swag_rank=2,
-                         progress=False)
+                         swa_collect_start=0.5, progress=False)
     result, seen, lrs = _fit(config, bn=False)
     for s in range(10):  # phase step s is global step 6 + s
         assert lrs[6 + s] == pytest.approx(cyclic_lr(s, lr_max=0.1, lr_min=0.01, cycle=cycle))
     # within each cycle of 5: positions >= 2 counted back from the end by 2 -> 2 and 4
-    assert FastSWASchedule(cycle, every).positions == [2, 4]
+    assert FastSWASchedule(cycle, every, start=0.5).positions == [2, 4]
     _expect_mean(result, seen, [6 + 2, 6 + 4, 6 + 7, 6 + 9])
+
+
+def test_fast_swa_default_window_is_the_whole_cycle_and_cosine_cycles_reach_fit():
+    # issue 28: fit could not change fast-SWA's window (the late half only); the reference
+    # collects across the whole cycle of a cosine-shaped cyclical rate
+    config = TrainConfig(epochs=3, swa_start=1, swa_lr=0.01, swa_lr_max=0.1, swa_cycle=5,
+                         swa_schedule="cyclic", swa_every_steps=2, swa_cycle_shape="cosine",
+                         swag_rank=2, progress=False)
+    result, seen, lrs = _fit(config, bn=False)
+    for s in range(10):
+        assert lrs[6 + s] == pytest.approx(cyclic_lr(s, lr_max=0.1, lr_min=0.01, cycle=5,
+                                                     shape="cosine"))
+    _expect_mean(result, seen, [6 + 0, 6 + 2, 6 + 4, 6 + 5, 6 + 7, 6 + 9])
+    with pytest.raises(ConfigError, match="swa_collect_start"):
+        TrainConfig(epochs=3, swa_collect_start=1.5).check()
+    with pytest.raises(ConfigError, match="swa_cycle_shape"):
+        TrainConfig(epochs=3, swa_cycle_shape="saw").check()
 
 
 def test_cyclic_without_every_steps_collects_at_cycle_ends():
@@ -127,7 +144,7 @@ def test_scheduler_interval_step_steps_the_user_scheduler_after_every_optimizer_
 
 
 def test_swag_options_reach_the_posterior():
-    config = TrainConfig(epochs=2, swa_start=1, swa_lr=0.05, swa_every_steps=1,
+    config = TrainConfig(epochs=2, swa_start=1, swa_lr=0.05, swa_every_steps=1, swag_rank=20,
                          swag_diagonal=True, swag_params=("4.weight", "4.bias"),
                          swag_device="cpu", progress=False)
     result, seen, _ = _fit(config)
@@ -189,7 +206,8 @@ def test_swa_eval_without_bn_loader_says_why_it_is_skipped():
     (dict(swa_start=0, swa_lr=0.1, swa_cycle=4), "for swa_schedule='cyclic'"),
     (dict(scheduler_interval="batch"), "scheduler_interval"),
     (dict(swa_start=0, swa_lr=0.1, swag_rank=None, swag_diagonal=True), "no SWAG"),
-    (dict(swa_start=0, swa_lr=0.1, swag_params="4.weight"), "sequence of parameter names"),
+    (dict(swa_start=0, swa_lr=0.1, swag_rank=2, swag_params="4.weight"),
+     "sequence of parameter names"),
     (dict(bn_batches=0), "bn_batches"),
 ])
 def test_bad_combinations_are_config_errors(kw, match):
@@ -200,6 +218,13 @@ def test_bad_combinations_are_config_errors(kw, match):
 def test_unknown_swag_param_name_is_a_clear_error():
     model, opt, loader = _setup()
     config = TrainConfig(epochs=1, swa_start=0, swa_lr=0.05, swag_params=("9.weight",),
-                         progress=False)
+                         swag_rank=2, progress=False)
     with pytest.raises(ConfigError, match="9.weight"):
         fit(model, opt, loader, config)
+
+
+def test_swag_is_opt_in():
+    # issue 28: SWA used to turn on a rank-20 SWAG (22 copies of the weights) by default
+    assert TrainConfig(epochs=2, swa_start=1, swa_lr=0.05).swag_rank is None
+    result, _, _ = _fit(TrainConfig(epochs=2, swa_start=1, swa_lr=0.05, progress=False))
+    assert result.swa is not None and result.swag is None

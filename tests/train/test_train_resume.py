@@ -112,7 +112,8 @@ def test_resume_is_bit_identical_with_dataloader_workers(digits_shards, tmp_path
     # fast-SWA: cyclic rate per step, collection every 2 steps in the late half of each cycle,
     # a diagonal SWAG over the last layer, the user's scheduler stepped per step, an EMA
     dict(swa_schedule="cyclic", swa_cycle=4, swa_lr_max=0.05, swa_every_steps=2,
-         swag_diagonal=True, swag_params=("4.weight", "4.bias"), scheduler_interval="step",
+         swag_rank=20, swag_diagonal=True, swag_params=("4.weight", "4.bias"),
+         scheduler_interval="step",
          ema_decay=0.9),
     # every-N collection under a linear SWALR anneal and a constant rate (~20 s each: slow)
     pytest.param(dict(swa_every_steps=3, swa_anneal_strategy="linear", swa_anneal_epochs=2),

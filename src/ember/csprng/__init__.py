@@ -8,6 +8,7 @@ stream layout.
 from . import chacha as _chacha  # noqa: F401 - registers the "chacha20" cipher
 from . import cuda_backend as _cuda_backend  # noqa: F401 - registers the "cuda" backend
 from . import torch_adapter as _torch_adapter
+from .foreach import normal_foreach_
 from .generator import (
     Generator,
     InheritedStateUsed,
@@ -32,6 +33,7 @@ __all__ = [
     "decrypt",
     "encrypt",
     "is_generator",
+    "normal_foreach_",
     "provide_torchcsprng",
     "supports_cuda",
 ]

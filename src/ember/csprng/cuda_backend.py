@@ -659,11 +659,119 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+class CaptureError(RuntimeError):
+    """A draw while a CUDA graph is being captured: a replay would repeat the same numbers."""
+
+
+def refuse_capture() -> None:
+    """Raise :class:`CaptureError` when the current CUDA stream is capturing a graph.
+
+    The stream position is kept on the host: a captured draw would be replayed with the same
+    counter, i.e. the same values, on every replay of the graph.
+    """
+    try:
+        capturing = torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a torch built without CUDA
+        capturing = False
+    if capturing:
+        raise CaptureError(
+            "ember.csprng: cannot draw while a CUDA graph is being captured (every replay would "
+            "repeat the same random numbers); draw outside the captured region, e.g. into a "
+            "static tensor before each replay")
+
+
+def fast_path() -> str:
+    """Which CUDA path fills: ``"nvrtc"`` (the CUDA C kernels), ``"triton"`` or ``"cpu"``.
+
+    ``EMBER_CSPRNG_CUDA`` (``nvrtc``/``triton``/``cpu``) forces one; by default the first that is
+    available in that order.
+    """
+    forced = os.environ.get("EMBER_CSPRNG_CUDA", "").lower()
+    if forced in ("nvrtc", "triton", "cpu"):
+        return forced
+    if _FAST_BROKEN:
+        return "triton" if triton_available() else "cpu"
+    from . import nvrtc_kernels
+
+    if nvrtc_kernels.available():
+        return "nvrtc"
+    return "triton" if triton_available() else "cpu"
+
+
+_FAST_BROKEN: list[str] = []
+
+
 def cuda_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -> bool:
-    """The ``"cuda"`` device backend: the Triton kernels, or False (CPU path) without triton."""
-    if not triton_available():
+    """The ``"cuda"`` device backend: NVRTC kernels, else Triton kernels, else False (CPU path)."""
+    refuse_capture()
+    path = fast_path()
+    if path == "nvrtc":
+        from . import cuda_fast
+
+        if cuda_fast.supports(sampler, tensor, method) and not tensor.is_complex():
+            try:
+                _fast_fill(sampler, tensor, method, params)
+                return True
+            except _LoadError as exc:
+                _FAST_BROKEN.append(str(exc))
+                import warnings
+
+                warnings.warn(f"ember.csprng: the NVRTC path is unavailable ({exc}); using Triton",
+                              RuntimeWarning, stacklevel=3)
+                path = fast_path()
+    if path == "cpu" or not triton_available():
         return False
     return triton_fill_(sampler, tensor, method, params, interpret=False)
+
+
+_DEFAULTS = {"uniform_": ((), (0.0, 1.0)), "normal_": ((), (0.0, 1.0)), "exponential_": ((), (1.0,))}
+
+
+class _LoadError(RuntimeError):
+    pass
+
+
+def _fast_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -> None:
+    from . import cuda_fast
+
+    if tensor.is_cuda:
+        try:  # compile and load before anything is reserved: a failure leaves the stream as it was
+            cuda_fast.launcher().functions(tensor.device.index or 0,
+                                           cuda_fast.kernel_names(sampler.stream.cipher_name, method))
+        except Exception as exc:  # no cuda-bindings, no NVRTC for this GPU, no driver
+            raise _LoadError(str(exc)) from exc
+    if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor):
+        params = (_bernoulli_p_async(tensor, params[0]),)
+    elif params not in _DEFAULTS.get(method, ()):
+        # the CPU sampler validates the arguments (same errors) and reserves nothing for 0 elements;
+        # the default arguments need no check (the adapter has checked the dtype)
+        getattr(sampler, method)(torch.empty(0, dtype=tensor.dtype), *params)
+    if tensor.is_contiguous():
+        cuda_fast.fast_fill_(sampler, tensor, method, params)
+        return
+    dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    cuda_fast.fast_fill_(sampler, dst, method, params)
+    tensor.copy_(dst)
+
+
+def _bernoulli_p_async(out: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``p`` as contiguous float64 of the output's shape; the range is checked on the device
+    (``torch._assert_async``, as torch's own CUDA kernel asserts), without waiting for it."""
+    if p.is_complex() or not (p.is_floating_point() or p.dtype == torch.bool):
+        raise TypeError(f"bernoulli_: p must be a floating-point tensor, got {p.dtype}")
+    try:
+        pt = p.detach().to(out.device, torch.float64).expand(out.shape).contiguous().view(-1)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"bernoulli_: p of shape {tuple(p.shape)} does not broadcast "
+            f"to the output shape {tuple(out.shape)}"
+        ) from exc
+    if pt.is_cuda:
+        torch._assert_async(((pt >= 0.0) & (pt <= 1.0)).all(),
+                            "bernoulli_: expected all probabilities in [0, 1]")
+    elif not bool(((pt >= 0.0) & (pt <= 1.0)).all()):
+        raise ValueError("bernoulli_: expected all probabilities in [0, 1]")
+    return pt
 
 
 def register() -> None:

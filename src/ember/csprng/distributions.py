@@ -384,14 +384,58 @@ class NativeSampler:
             raise ValueError(f"log_normal_: expected std > 0, got {std}")
         self._normal(out, mean, std, log=True)
 
-    def _normal(self, out: torch.Tensor, mean: float, std: float, log: bool) -> None:
+    def normal_foreach_(self, outs: list[torch.Tensor], mean: float = 0.0, std: float = 1.0) -> None:
+        """``normal_(out, mean, std)`` for each contiguous CPU tensor of ``outs`` in order (the same
+        values and stream position), with one keystream pass for all tensors of up to 1 MiB."""
+        for out in outs:
+            _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
+        mean, std = float(mean), float(std)
+        if not std >= 0.0:
+            raise ValueError(f"normal_: expected std >= 0, got {std}")
+        sizes = []
+        for out in outs:
+            word = _compute(out.dtype)[0]
+            sizes.append(blocks_for((out.numel() + 1) // 2 * 2 * _ITEMSIZE[word]))
+        small_blocks = sum(nb for nb in sizes if nb * BLOCK_BYTES <= CHUNK_BYTES)
+        start = self.stream.reserve(sum(sizes))
+        buf = bytearray(small_blocks * BLOCK_BYTES)
+        if small_blocks:
+            # the small tensors' keystream, one cipher call per run of consecutive small tensors
+            # (a large tensor between two small ones splits the run; it is filled on its own)
+            view, at, pos, run = memoryview(buf), 0, start, None
+            for nb in [*sizes, None]:
+                small_one = nb is not None and nb * BLOCK_BYTES <= CHUNK_BYTES
+                if small_one and run is None:
+                    run = (pos, at)
+                if not small_one and run is not None:
+                    if at > run[1]:
+                        self.stream.keystream(run[0]).fill(view[run[1]: at])
+                    run = None
+                if nb is not None:
+                    at += nb * BLOCK_BYTES if small_one else 0
+                    pos += nb
+        at, pos = 0, start
+        for out, nb in zip(outs, sizes, strict=True):
+            if nb * BLOCK_BYTES <= CHUNK_BYTES:
+                draw = _BufferDraw(memoryview(buf)[at: at + nb * BLOCK_BYTES])
+                at += nb * BLOCK_BYTES
+            else:
+                draw = Draw(self.stream, pos, nb)
+            self._normal(out, mean, std, False, draw)
+            pos += nb
+
+    def _normal(self, out: torch.Tensor, mean: float, std: float, log: bool, draw=None) -> None:
         n = out.numel()
-        if 0 < n <= small.SMALL_ITEMS:
+        if draw is None and 0 < n <= small.SMALL_ITEMS:
             small.normal(self.stream, out, n, mean, std, log)
+            return
+        if draw is None and 0 < n <= 2 * min(small.MEDIUM_PAIRS, NORMAL_GROUP):  # one group
+            small.normal_medium(self.stream, out, n, mean, std, log)
             return
         word, cd, bits = _compute(out.dtype)
         pairs = (n + 1) // 2
-        draw = self._draw(pairs * 2 * _ITEMSIZE[word])
+        if draw is None:
+            draw = self._draw(pairs * 2 * _ITEMSIZE[word])
         if n == 0:
             return
         mask = word((1 << bits) - 1)
@@ -824,6 +868,18 @@ def _poisson_log_pmf(k: np.ndarray, lam: np.ndarray) -> np.ndarray:
         stirlerr = (1 / 12 - (1 / 360 - (1 / 1260 - (1 / 1680 - 1 / (1188 * k2)) / k2) / k2) / k2) / kb
         res[big] = -stirlerr - bd0 - 0.5 * np.log(2.0 * math.pi * kb)
     return res
+
+
+class _BufferDraw:
+    """A draw whose keystream was generated beforehand into ``view`` (read front to back)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.at = view, 0
+
+    def fill(self, buf: memoryview) -> None:
+        n = len(buf)
+        buf[:] = self.view[self.at: self.at + n]
+        self.at += n
 
 
 def _poisson_inverse(lam: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

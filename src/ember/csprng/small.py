@@ -135,3 +135,48 @@ def normal(stream: BlockStream, out: torch.Tensor, n: int, mean: float, std: flo
         out.view(-1).copy_(torch.from_numpy(z[:n]))
     else:
         np.copyto(out.numpy().reshape(-1), z[:n], casting="unsafe")
+
+
+MEDIUM_PAIRS = 16384  # one normal group (distributions.NORMAL_GROUP): normal_medium's limit
+_U32 = np.dtype("<u4")
+_U64 = np.dtype("<u8")
+
+
+def normal_medium(stream: BlockStream, out: torch.Tensor, n: int, mean: float, std: float,
+                  log: bool) -> None:
+    """normal_/log_normal_ of one group of pairs (``out`` contiguous), with the NumPy path's exact
+    operations in the same order, minus its chunking machinery (the per-call cost of mid-sized
+    draws such as ``randn(1000)`` is mostly that machinery)."""
+    wide = out.dtype == torch.float64
+    cd = np.float64 if wide else np.float32
+    bits = 53 if wide else 24
+    pairs = (n + 1) // 2
+    size = 8 if wide else 4
+    _, buf = stream.take(-(-(2 * pairs * size) // BLOCK_BYTES))
+    w = np.frombuffer(buf, _U64 if wide else _U32, 2 * pairs)
+    k = (w & ((1 << bits) - 1)).view(np.int64 if wide else np.int32)  # exact in cd: k < 2**bits
+    r = k[:pairs].astype(cd)
+    np.add(r, cd(1.0), out=r)
+    np.multiply(r, cd(2.0**-bits), out=r)
+    np.log(r, out=r)
+    np.multiply(r, cd(-2.0), out=r)
+    np.sqrt(r, out=r)
+    th = k[pairs:].astype(cd)
+    np.multiply(th, cd(_TWO_PI * 2.0**-bits), out=th)
+    direct = out.dtype in (torch.float32, torch.float64) and n == 2 * pairs
+    z = out.numpy().reshape(-1) if direct else np.empty(2 * pairs, cd)
+    np.cos(th, out=z[:pairs])
+    np.multiply(z[:pairs], r, out=z[:pairs])  # cosines, then sines
+    np.sin(th, out=th)
+    np.multiply(th, r, out=z[pairs:])
+    if not (mean == 0.0 and std == 1.0):
+        np.multiply(z, cd(std), out=z)
+        np.add(z, cd(mean), out=z)
+    if log:
+        np.exp(z, out=z)
+    if direct:
+        return
+    if out.dtype == torch.bfloat16:
+        out.view(-1).copy_(torch.from_numpy(z[:n]))
+    else:
+        np.copyto(out.numpy().reshape(-1), z[:n], casting="unsafe")

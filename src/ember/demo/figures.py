@@ -24,14 +24,15 @@ def _plot_reliability(probs: dict[str, dict[str, torch.Tensor]], labels: torch.T
                       path: Path) -> Path:
     from ember.swa import calibration_bins, expected_calibration_error
 
-    fig = _figure(13, 4.3)
+    fig = _figure(15, 5)
     for i, test_set in enumerate(TEST_SETS):
         ax = fig.add_subplot(1, 3, i + 1)
         ax.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1)
-        for j, method in enumerate(("SGD (cosine LR)", "SWA", "SWAG")):
+        for j, method in enumerate(METHODS):
             p = probs[method][test_set]
-            bins = calibration_bins(p, labels, 20, "mass")
-            ece = expected_calibration_error(p, labels, 20, "mass")
+            y = labels.repeat(len(p) // len(labels))  # seeds pooled (MultiSWAG: one model)
+            bins = calibration_bins(p, y, 20, "mass")
+            ece = expected_calibration_error(p, y, 20, "mass")
             ax.plot(bins.confidence.numpy(), bins.accuracy.numpy(), marker="o", markersize=3,
                     color=f"C{j}", label=f"{method} (ECE {ece:.3f})")
         ax.set_xlim(0, 1)
@@ -39,7 +40,7 @@ def _plot_reliability(probs: dict[str, dict[str, torch.Tensor]], labels: torch.T
         ax.set_xlabel("confidence")
         ax.set_ylabel("accuracy")
         ax.set_title(f"{test_set} (all seeds pooled)")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, format="png")
     return path
@@ -64,14 +65,19 @@ def _plot_shift(results: dict, path: Path) -> Path:
     return path
 
 
-def _plot_curves(histories: dict[str, list[list[dict]]], swa_start: int, path: Path) -> Path:
+def _plot_curves(histories: dict[str, list[list[dict]]], swa_start: int, stopped: list[int],
+                 path: Path) -> Path:
     fig = _figure(11, 4)
     ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for j, (name, runs) in enumerate(histories.items()):
-        epochs = [r["epoch"] + 1 for r in runs[0]]
+        n = min(len(h) for h in runs)  # early-stopped runs end at different epochs
+        epochs = [r["epoch"] + 1 for r in runs[0][:n]]
         for key, ax in (("train_loss", ax1), ("eval_accuracy", ax2)):
-            values = torch.tensor([[r[key] for r in h] for h in runs], dtype=torch.float64)
+            values = torch.tensor([[r[key] for r in h[:n]] for h in runs], dtype=torch.float64)
             ax.plot(epochs, values.mean(0).numpy(), color=f"C{j}", label=name)
+    for k, epoch in enumerate(stopped):
+        ax2.axvline(epoch + 1, color="C2", linestyle=":", linewidth=1,
+                    label="epoch kept by early stopping" if k == 0 else None)
     ax1.set_title("training loss (on the noisy labels)")
     ax2.set_title("clean test accuracy of the SGD iterate")
     for ax in (ax1, ax2):

@@ -43,8 +43,8 @@ def _format_speed(csprng_rows: list[dict], shard_rows: list[dict]) -> str:
 
 
 def _format_protocol(settings: DemoSettings) -> str:
-    keys = ("data", "label_noise", "model", "optimizer", "baseline", "swa", "swag", "multiswag",
-            "seeds", "metrics", "dp")
+    keys = ("data", "label_noise", "model", "optimizer", "baseline", "early_stopping", "swa", "swag",
+            "multiswag", "seeds", "metrics", "dp")
     lines = ["Pre-specified protocol (fixed before any result was seen):"]
     lines += [f"  {k}: {PROTOCOL[k]}" for k in keys]
     lines += [f"  test sets: {'; '.join(f'{k}: {v}' for k, v in PROTOCOL['test_sets'].items())}",
@@ -68,6 +68,11 @@ def _write_report(path: Path, payload: dict[str, Any], figures: dict[str, Path],
         return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">' \
                f"<figcaption>{html.escape(alt)}</figcaption></figure>"
 
+    reading = payload["reading"]
+
+    def para(text: str) -> str:
+        return f'<p class="reading">{html.escape(text)}</p>'
+
     res = payload["results"]
     rows = [[t, m, _fmt(res[t][m]["accuracy"]), _fmt(res[t][m]["nll"]), _fmt(res[t][m]["ece"])]
             for t in TEST_SETS for m in METHODS]
@@ -75,6 +80,8 @@ def _write_report(path: Path, payload: dict[str, Any], figures: dict[str, Path],
                        for k, v in PROTOCOL.items() if isinstance(v, str))
     protocol += "".join(f"<li><b>test set {html.escape(k)}</b>: {html.escape(v)}</li>"
                         for k, v in PROTOCOL["test_sets"].items())
+    subsystems = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>"
+                         for k, v in reading["subsystems"].items())
     speed = payload["speed"]
     speed_rows = [[f"{r['case']} {r['size_mib']} MiB", f"{r['ember_gbps']:.2f} GB/s",
                    f"{r['torch_gbps']:.2f} GB/s", f"{r['ratio']:.2f}x"] for r in speed["csprng"]]
@@ -98,22 +105,30 @@ body {{ font-family: sans-serif; margin: 2em auto; max-width: 1400px; color: #22
 table {{ border-collapse: collapse; margin: 1em 0; }}
 th, td {{ border: 1px solid #bbb; padding: 3px 9px; text-align: right; }}
 th {{ background: #eee; }} td:nth-child(-n+2) {{ text-align: left; }}
+p.reading {{ max-width: 60em; background: #f6f6f0; padding: 0.5em 0.8em; }}
 img {{ max-width: 100%; }} figure {{ margin: 1em 0; }} figcaption {{ color: #555; }}
 </style></head><body>
 <h1>ember demo: digits with noisy labels and shifted test sets</h1>
 <p>{settings.epochs} epochs per run, seeds {list(settings.seeds)}; run took
 {payload['seconds']['total']:.0f} s on {html.escape(payload['machine'])}.</p>
+<h2>What each part of ember is for</h2><ul>{subsystems}</ul>
 <h2>Protocol (fixed before any result)</h2><ul>{protocol}</ul>
 <h2>Results (mean ± std over seeds)</h2>
 {_html_table(["test set", "method", "accuracy", "NLL", "ECE"], rows)}
-{img("reliability", "Reliability diagrams: SGD, SWA and SWAG on each test set")}
+{"".join(para(t) for t in reading["results"])}
+{img("reliability", "Reliability diagrams of every method on each test set (seeds pooled)")}
+{para(reading["reliability"])}
 {img("shift", "Accuracy and NLL against shift")}
-{img("curves", "Learning curves")}
+{para(reading["shift"])}
+{img("curves", "Learning curves (the early-stopped runs end when they stop)")}
+{para(reading["curves"])}
 <h2>Differentially private training (Opacus, ember.csprng as secure RNG)</h2>
 {dp_html}
+{para(reading["dp"])}
 <h2>Speed measured in this run</h2>
 {_html_table(["case", "ember", "baseline", "ratio"], speed_rows)}
 {img("speed", "Speed ratios") if "speed" in figures else "<p>not measured (--no-benchmark)</p>"}
+{para(reading["speed"])}
 </body></html>
 """
     path.write_text(doc, encoding="utf-8")

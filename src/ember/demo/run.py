@@ -26,6 +26,7 @@ from ember.demo.protocol import (
     _batches,
     _csprng_speed,
     _dp_section,
+    _early_stopped,
     _metrics,
     _probs,
     _read_all,
@@ -35,6 +36,15 @@ from ember.demo.protocol import (
     _train_seed,
     shifted_test_sets,
     write_digits_shards,
+)
+from ember.demo.reading import (
+    SUBSYSTEMS,
+    curves_reading,
+    dp_reading,
+    reliability_reading,
+    results_reading,
+    shift_reading,
+    speed_reading,
 )
 from ember.demo.report import _format_protocol, _format_speed, _write_report, format_results
 
@@ -83,16 +93,22 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
     per_seed: dict[str, dict[str, list[dict]]] = {m: {t: [] for t in TEST_SETS} for m in METHODS}
     pooled: dict[str, dict[str, list[torch.Tensor]]] = {m: {t: [] for t in TEST_SETS}
                                                        for m in METHODS}
-    histories: dict[str, list[list[dict]]] = {"SGD, cosine LR": [], "SWA run": []}
+    histories: dict[str, list[list[dict]]] = {"SGD, cosine LR": [], "SWA run": [],
+                                              "SGD, early-stopped run": []}
+    stopped: list[int] = []
     swags, last_model = [], None
     for seed in settings.seeds:
         print(f"seed {seed}: training SGD (cosine) and the SWA run, {settings.epochs} epochs "
-              "each ...", flush=True)
+              "each, and early-stopped SGD ...", flush=True)
         runs = _train_seed(seed, settings, shards["train"], eval_batches, bn_batches, out, progress)
         sgd, swa = runs["sgd"], runs["swa"]
         histories["SGD, cosine LR"].append(sgd.history)
         histories["SWA run"].append(swa.history)
+        early = _early_stopped(seed, settings, x_train, y_train, eval_batches)
+        histories["SGD, early-stopped run"].append(early["history"])
+        stopped.append(early["epoch"])
         probs = {"SGD (cosine LR)": _probs(sgd.model, all_batches),
+                 "SGD (early-stopped)": _probs(early["model"], all_batches),
                  "SGD (SWA run, final iterate)": _probs(swa.model, all_batches),
                  "SWA": _probs(swa.swa.module, all_batches),
                  "SWAG": bayesian_average(swa.model, swa.swag, [b[0] for b in all_batches],
@@ -118,12 +134,15 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
     results = {t: {m: {k: _summary([r[k] for r in per_seed[m][t]])
                        for k in ("accuracy", "nll", "ece")} for m in METHODS} for t in TEST_SETS}
     print("\n" + format_results(results), flush=True)
+    for paragraph in results_reading(results, len(settings.seeds)):
+        print("\n" + paragraph, flush=True)
 
     payload: dict[str, Any] = {
         "protocol": PROTOCOL, "settings": asdict(settings) | {"swa_start": settings.swa_start},
         "data": {"n_train": shards["n_train"], "n_test": n_test,
                  "label_noise_rate_written": shards["noise_rate"]},
         "results": results,
+        "early_stopping_epochs": stopped,
         "machine": f"{platform.machine()}, training on 1 torch thread, speed on {threads}, "
                    f"torch {torch.__version__}",
     }
@@ -158,15 +177,25 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
     figures = {
         "reliability": _plot_reliability({m: {t: torch.cat(v) for t, v in d.items()}
                                           for m, d in pooled.items()},
-                                         y_test.repeat(len(settings.seeds)), out /
-                                         "reliability.png") if len(settings.seeds) else None,
+                                         y_test, out / "reliability.png")
+        if len(settings.seeds) else None,
         "shift": _plot_shift(results, out / "shift.png"),
-        "curves": _plot_curves(histories, settings.swa_start, out / "learning_curves.png"),
+        "curves": _plot_curves(histories, settings.swa_start, stopped,
+                               out / "learning_curves.png"),
     }
     if benchmark:
         figures["speed"] = _plot_speed(speed["csprng"], speed["shards"], out / "speed.png")
     payload["seconds"] = {"experiment": t_experiment, "total": time.perf_counter() - t0}
     payload["figures"] = {k: str(v) for k, v in figures.items()}
+    payload["reading"] = {
+        "results": results_reading(results, len(settings.seeds)),
+        "reliability": reliability_reading(results),
+        "shift": shift_reading(results),
+        "curves": curves_reading(histories, stopped),
+        "dp": dp_reading(dp_payload),
+        "speed": speed_reading(speed),
+        "subsystems": SUBSYSTEMS,
+    }
     (out / "results.json").write_text(json.dumps(payload, indent=2))
     report = _write_report(out / "report.html", payload,
                            figures,
@@ -184,8 +213,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo", help="a pre-specified SGD/SWA/SWAG experiment on noisy digits, DP-SGD, speed; "
         "writes report.html",
         description="Write scikit-learn's bundled digits as tar shards (40%% of the training "
-        "labels wrong), stream them with an ember.csprng shuffle, train SGD (cosine) and SWA "
-        "runs for several seeds, and compare SGD, SWA, SWAG and MultiSWAG on clean, noisy and "
+        "labels wrong), stream them with an ember.csprng shuffle, train SGD (cosine), "
+        "early-stopped SGD and SWA runs for several seeds, and compare them with SWAG and "
+        "MultiSWAG on clean, noisy and "
         "rotated test images (accuracy, NLL, ECE); train with DP-SGD through Opacus using "
         "ember's generator; measure ember.csprng and ember.shards speed ratios. Writes "
         "results.json, PNG figures and a self-contained report.html.")

@@ -1,18 +1,19 @@
-"""Weight averaging during training: EMA with warm-up and SWA, on top of ``torch.optim.swa_utils``.
+"""Weight averaging during training: EMA with warm-up and SWA, drop-ins for ``torch.optim.swa_utils``.
 
 ``AveragedModel``, ``SWALR`` and the averaging-function helpers are torch's own, re-exported.
-``EMA`` and ``SWA`` add what they lack: averaging into a copy you provide (FSDP, compiled models)
-instead of a deep copy, matching by name with the ``_orig_mod.`` prefix of ``torch.compile`` and
-the ``module.`` prefix of DDP/``DataParallel`` ignored (nested, on either side), tensors looked up
-on every update (so the copy may be moved with ``.to()``/``.half()``/``.cuda()``), integer
-buffers copied rather than averaged, foreach updates, and an EMA decay warm-up.
+``EMA`` and ``SWA`` are ``nn.Module``\\ s with ``AveragedModel``'s interface and add what it
+lacks: averaging into a copy you provide (FSDP, compiled models) instead of a deep copy, matching
+by name with the ``_orig_mod.`` prefix of ``torch.compile`` and the ``module.`` prefix of
+DDP/``DataParallel`` ignored (nested, on either side), tensors looked up on every update (so the
+copy may be moved with ``.to()``/``.half()``/``.cuda()``; half-precision copies are averaged in
+float32), integer buffers copied rather than averaged, foreach updates, and EMA decay warm-ups.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -71,8 +72,29 @@ def _named_state(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     return out
 
 
-class _Averager:
-    """Shared machinery: a target module whose tensors follow a source model by name."""
+AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+MultiAvgFn = Callable[[list[Tensor], list[Tensor], Tensor], None]
+
+
+def _stamp(t: Tensor) -> tuple[int, int]:
+    """What changes when anyone writes to or replaces ``t``'s data."""
+    return t._version, t.data_ptr()
+
+
+def _remove_low_precision_hooks(module: nn.Module) -> None:
+    """Drop the hooks of :func:`ember.swa.quantize_activations_` from a deep copy: an averaged
+    model is evaluated in full precision (as SWALP's reference does)."""
+    for m in module.modules():
+        for hooks in (m._forward_hooks, m._forward_pre_hooks):
+            for key in [k for k, h in hooks.items() if getattr(h, "ember_low_precision", False)]:
+                del hooks[key]
+
+
+class _Averager(nn.Module):
+    """Shared machinery: ``torch.optim.swa_utils.AveragedModel``'s interface over a target module
+    whose tensors follow a source model by name."""
+
+    n_averaged: Tensor
 
     def __init__(
         self,
@@ -80,26 +102,84 @@ class _Averager:
         *,
         target: nn.Module | None,
         device: torch.device | str | int | None,
+        avg_fn: AvgFn | None,
+        multi_avg_fn: MultiAvgFn | None,
         use_buffers: bool,
         foreach: bool | None,
     ) -> None:
+        super().__init__()
+        if avg_fn is not None and multi_avg_fn is not None:
+            raise ValueError("give at most one of avg_fn and multi_avg_fn, got both")
+        for name, fn in (("avg_fn", avg_fn), ("multi_avg_fn", multi_avg_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
         if target is None:
             target = copy.deepcopy(unwrap_compiled(model))
+            _remove_low_precision_hooks(target)
         if device is not None:
             target.to(device)
         for p in target.parameters():
             p.requires_grad_(False)
         self.module = target
+        self.avg_fn = avg_fn
+        self.multi_avg_fn = multi_avg_fn
         self.use_buffers = use_buffers
         self.foreach = foreach
-        self.n_updates = 0
+        self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=device))
+        self._count = 0  # n_averaged as a Python int: reading the buffer would sync a device
+        # float32 copies of the average for tensors the copy holds in float16/bfloat16 (by name):
+        # (master, the copy's tensor, its version and storage after our last write)
+        self._masters: dict[str, tuple[Tensor, Tensor, int, int]] = {}
         self._pairs(model)  # fail at construction on a mismatched target
         with torch.no_grad():
-            for dst, src, _ in self._pairs(model):
+            for _, dst, src, _ in self._pairs(model):
                 dst.copy_(src)
 
-    def _pairs(self, model: nn.Module) -> list[tuple[Tensor, Tensor, bool]]:
-        """(target tensor, source tensor, average it?) for every name, checked for a match."""
+    # -- AveragedModel's interface ----------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the averaged copy."""
+        return self.module(*args, **kwargs)
+
+    def update_parameters(self, model: nn.Module) -> None:
+        """Fold the current weights of ``model`` into the average (``AveragedModel``'s name)."""
+        self.update(model)
+
+    @property
+    def n_updates(self) -> int:
+        """Number of updates so far (ember's older name of ``n_averaged``, as an int)."""
+        return self._count
+
+    @n_updates.setter
+    def n_updates(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"n_updates must be an integer >= 0, got {value!r}")
+        self._count = value
+        self.n_averaged.fill_(value)
+
+    def _load_count(self) -> None:
+        self._count = int(self.n_averaged)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load :meth:`state_dict`'s output, that of a ``torch.optim.swa_utils.AveragedModel``
+        of the same architecture, or ember's older layout ``{"n_updates", "module"}``."""
+        state = dict(state_dict)
+        if "n_averaged" not in state and "n_updates" in state \
+                and isinstance(state.get("module"), Mapping):
+            state = {"n_averaged": torch.tensor(int(state["n_updates"]), dtype=torch.long),
+                     **{f"module.{k}": v for k, v in state["module"].items()}}
+        if "n_averaged" not in state:
+            raise KeyError("state dict lacks 'n_averaged'; expected the output of state_dict() "
+                           "(ember's or torch.optim.swa_utils.AveragedModel's)")
+        out = super().load_state_dict(state, strict=strict, assign=assign)
+        self._load_count()
+        return out
+
+    # -- pairing ---------------------------------------------------------------------------------
+
+    def _pairs(self, model: nn.Module) -> list[tuple[str, Tensor, Tensor, bool]]:
+        """(name, target tensor, source tensor, average it?) for every name, checked for a match."""
         # looked up on every call: the copy may have been moved (.to(), .half(), .cuda()) since
         target = _named_state(self.module)
         source = _named_state(model)
@@ -120,8 +200,19 @@ class _Averager:
                 )
             average = dst.is_floating_point() or dst.is_complex()
             average = average and (is_param or self.use_buffers)
-            pairs.append((dst, src, average))
+            pairs.append((name, dst, src, average))
         return pairs
+
+    def _master(self, name: str, dst: Tensor) -> Tensor:
+        """The float32 average behind a float16/bfloat16 tensor of the copy (made from it anew
+        when the copy's tensor was replaced or written by anyone else since our last update)."""
+        held = self._masters.get(name)
+        if held is not None and held[1] is dst and held[2:] == _stamp(dst) \
+                and held[0].device == dst.device:
+            return held[0]
+        master = dst.detach().float()
+        self._masters[name] = (master, dst, *_stamp(dst))
+        return master
 
     def _weight(self, step: int | None = None) -> float:
         raise NotImplementedError
@@ -132,11 +223,12 @@ class _Averager:
 
         Parameters and buffers of ``model`` are saved, overwritten with the average (cast to their
         dtype) and restored bit for bit on exit, also after an exception. Use it to evaluate the
-        average with the live model (``with ema.swapped_into(model): evaluate(model)``).
+        average with the live model (``with ema.swapped_into(model): evaluate(model)``); hooks of
+        the live model (SWALP's activation quantization, for one) stay active inside.
         """
         with torch.no_grad():
             saved = []
-            for dst, src, _ in self._pairs(model):
+            for _, dst, src, _ in self._pairs(model):
                 saved.append((src, src.detach().clone()))
                 src.copy_(dst)
         try:
@@ -151,22 +243,42 @@ class _Averager:
         """Fold the current weights of ``model`` into the average.
 
         ``step`` (EMA only) is the training step the decay schedule is evaluated at; without it
-        the number of updates so far is used.
+        the number of updates so far is used. Tensors the copy holds in float16 or bfloat16 are
+        averaged in a float32 master copy and rounded into the copy after each update (a
+        half-precision average with a small weight would stop moving).
         """
-        weight = self._weight(step)
+        custom = self.avg_fn is not None or self.multi_avg_fn is not None
+        first = self._count == 0
+        weight = None if custom else self._weight(step)
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
-        for dst, src, average in self._pairs(model):
+        written: list[tuple[str, Tensor, Tensor]] = []
+        for name, dst, src, average in self._pairs(model):
             src = src.detach()
             if not average:
                 dst.copy_(src)  # integer buffers (num_batches_tracked, ...) and unaveraged buffers
                 continue
+            acc = dst
+            if dst.dtype in (torch.float16, torch.bfloat16):
+                acc = self._master(name, dst)
+                written.append((name, acc, dst))
             # non_blocking only towards an accelerator: a non-blocking copy into host memory may
             # still be in flight when the CPU lerp reads it
-            src = src.to(device=dst.device, dtype=dst.dtype, non_blocking=dst.device.type != "cpu")
-            dsts, srcs = groups.setdefault((dst.device, dst.dtype), ([], []))
-            dsts.append(dst)
+            src = src.to(device=acc.device, dtype=acc.dtype, non_blocking=acc.device.type != "cpu")
+            if custom and first:
+                acc.copy_(src)  # AveragedModel's rule: the first update copies
+                continue
+            dsts, srcs = groups.setdefault((acc.device, acc.dtype), ([], []))
+            dsts.append(acc)
             srcs.append(src)
         for (device, _), (dsts, srcs) in groups.items():
+            if self.multi_avg_fn is not None:
+                self.multi_avg_fn(dsts, srcs, self.n_averaged.to(device))
+                continue
+            if self.avg_fn is not None:
+                n = self.n_averaged.to(device)
+                for d, s in zip(dsts, srcs, strict=True):
+                    d.copy_(self.avg_fn(d, s, n))
+                continue
             foreach = self.foreach
             if foreach is None:
                 foreach = device.type in ("cpu", "cuda", "xpu", "mps")
@@ -175,33 +287,34 @@ class _Averager:
             else:
                 for d, s in zip(dsts, srcs, strict=True):
                     d.lerp_(s, weight)
-        self.n_updates += 1
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The averaged weights and the update count."""
-        return {"n_updates": self.n_updates, "module": self.module.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        for key in ("n_updates", "module"):
-            if key not in state:
-                raise KeyError(f"state dict lacks {key!r}; expected the output of state_dict()")
-        self.module.load_state_dict(state["module"])
-        self.n_updates = int(state["n_updates"])
+        for name, master, dst in written:
+            dst.copy_(master)
+            self._masters[name] = (master, dst, *_stamp(dst))
+        self._count += 1
+        self.n_averaged.add_(1)
 
 
 class EMA(_Averager):
     """Exponential moving average of a model's weights: ``avg = decay * avg + (1 - decay) * w``.
 
-    ``decay`` is a float (used with the warm-up of :func:`ema_decay` unless ``warmup=False``) or a
-    callable ``decay(step) -> float`` with ``step`` counting updates from 0. The average lives in
-    ``target`` when given (it is overwritten with the model's weights now; use this for FSDP or
-    compiled models, or to control where the copy lives), otherwise in a deep copy of the model.
-    Floating-point buffers are averaged when ``use_buffers`` is true, otherwise copied; integer
-    buffers are always copied. ``foreach=None`` picks foreach kernels where torch has them.
+    An ``nn.Module`` with ``torch.optim.swa_utils.AveragedModel``'s interface
+    (:meth:`update_parameters`, the ``n_averaged`` buffer, ``forward`` calling the copy, the same
+    ``state_dict`` layout), so ``update_bn(loader, ema)``, ``ema.to(device)`` and ``ema.eval()``
+    work as for torch's. ``decay`` is a float (used with a warm-up unless ``warmup=False``) or a
+    callable ``decay(step) -> float`` with ``step`` counting updates from 0. Warm-ups:
+    ``warmup=True`` (or ``"tf"``) is :func:`ema_decay`'s ``min(decay, (1 + step) / (10 + step))``
+    (TensorFlow's); ``warmup="power"`` is timm's ``1 - (1 + step / warmup_gamma) ** -warmup_power``
+    capped by ``decay`` (``warmup_gamma=1, warmup_power=2/3`` suit long runs, ``3/4`` short ones).
+    ``avg_fn``/``multi_avg_fn`` replace the decay rule with torch's averaging-function protocol
+    (the first update then copies, as in ``AveragedModel``).
+
+    The average lives in ``target`` when given (it is overwritten with the model's weights now;
+    use this for FSDP or compiled models, or to control where the copy lives), otherwise in a deep
+    copy of the model, put in eval mode. Floating-point buffers are averaged when
+    ``use_buffers`` is true, otherwise copied; integer buffers are always copied. ``foreach=None``
+    picks foreach kernels where torch has them. The copy may be moved or cast later (``.to()``,
+    ``.cuda()``, ``.half()``): tensors are looked up on every update, and float16/bfloat16 ones are
+    averaged in a float32 master copy (see :meth:`update`).
 
     As timm's ``ModelEmaV3``: ``update(model, step=...)`` evaluates the decay at a training step,
     ``update_after_step`` copies the model until that step, ``min_decay`` bounds the warm-up
@@ -213,11 +326,15 @@ class EMA(_Averager):
         model: nn.Module,
         decay: float | Callable[[int], float] = 0.9999,
         *,
-        warmup: bool = True,
+        warmup: bool | str = True,
+        warmup_gamma: float = 1.0,
+        warmup_power: float = 2 / 3,
         min_decay: float = 0.0,
         update_after_step: int = 0,
         target: nn.Module | None = None,
         device: torch.device | str | int | None = None,
+        avg_fn: AvgFn | None = None,
+        multi_avg_fn: MultiAvgFn | None = None,
         use_buffers: bool = True,
         foreach: bool | None = None,
     ) -> None:
@@ -228,13 +345,23 @@ class EMA(_Averager):
         if isinstance(update_after_step, bool) or not isinstance(update_after_step, int) \
                 or update_after_step < 0:
             raise ValueError(f"update_after_step must be an integer >= 0, got {update_after_step!r}")
+        if warmup not in (True, False, "tf", "power"):
+            raise ValueError(f"warmup must be True/'tf', 'power' or False, got {warmup!r}")
+        for name, value in (("warmup_gamma", warmup_gamma), ("warmup_power", warmup_power)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        super().__init__(
+            model, target=target, device=device, avg_fn=avg_fn, multi_avg_fn=multi_avg_fn,
+            use_buffers=use_buffers, foreach=foreach,
+        )
+        if target is None:
+            self.module.eval()  # an average is for evaluation (timm's ModelEma does the same)
         self.decay = decay
         self.warmup = warmup
+        self.warmup_gamma = float(warmup_gamma)
+        self.warmup_power = float(warmup_power)
         self.min_decay = min_decay
         self.update_after_step = update_after_step
-        super().__init__(
-            model, target=target, device=device, use_buffers=use_buffers, foreach=foreach
-        )
 
     def current_decay(self, step: int | None = None) -> float:
         """The decay an :meth:`update` at ``step`` (default: the update count) uses.
@@ -252,8 +379,10 @@ class EMA(_Averager):
             d = float(self.decay(step))
             if not 0.0 <= d <= 1.0:
                 raise ValueError(f"decay({step}) returned {d}; expected [0, 1]")
+        elif self.warmup == "power":
+            d = min(self.decay, 1.0 - (1.0 + step / self.warmup_gamma) ** -self.warmup_power)
         else:
-            d = ema_decay(step, self.decay, self.warmup)
+            d = ema_decay(step, self.decay, bool(self.warmup))
         return max(self.min_decay, d)
 
     def _weight(self, step: int | None = None) -> float:
@@ -263,22 +392,33 @@ class EMA(_Averager):
 class SWA(_Averager):
     """Equal-weight running average of the weights passed to :meth:`update` (SWA).
 
-    The first update copies the weights; update ``n`` (from 1) gives them weight ``1/n``.
-    Buffers are copied from the model by default (recompute BatchNorm statistics afterwards with
-    :func:`ember.swa.update_bn`); ``target``, ``device`` and ``foreach`` are as for :class:`EMA`.
+    A drop-in for ``torch.optim.swa_utils.AveragedModel``: the same positional arguments
+    (``model, device, avg_fn, multi_avg_fn, use_buffers``), an ``nn.Module`` whose ``forward``
+    calls the copy, :meth:`update_parameters`, the ``n_averaged`` buffer and the ``state_dict``
+    layout (``n_averaged`` and ``module.*``, so a state dict of torch's loads here and back).
+    The first update copies the weights; update ``n`` (from 1) gives them weight ``1/n`` (or
+    ``avg_fn``/``multi_avg_fn`` decide, with torch's protocol). Buffers are copied from the model
+    by default (recompute BatchNorm statistics afterwards with :func:`ember.swa.update_bn`);
+    integer buffers are always copied (torch's blends them when ``use_buffers=True``).
+    On top: ``target`` (average into a copy you provide), ``foreach``, matching by name through
+    DDP/``torch.compile`` wrappers, copies moved or cast after construction (see :class:`EMA`),
+    :meth:`swapped_into`, and the older names :meth:`update` and :attr:`n_updates`.
     """
 
     def __init__(
         self,
         model: nn.Module,
+        device: torch.device | str | int | None = None,
+        avg_fn: AvgFn | None = None,
+        multi_avg_fn: MultiAvgFn | None = None,
+        use_buffers: bool = False,
         *,
         target: nn.Module | None = None,
-        device: torch.device | str | int | None = None,
-        use_buffers: bool = False,
         foreach: bool | None = None,
     ) -> None:
         super().__init__(
-            model, target=target, device=device, use_buffers=use_buffers, foreach=foreach
+            model, target=target, device=device, avg_fn=avg_fn, multi_avg_fn=multi_avg_fn,
+            use_buffers=use_buffers, foreach=foreach,
         )
 
     def _weight(self, step: int | None = None) -> float:

@@ -31,9 +31,9 @@ def has_running_stats(model: nn.Module) -> bool:
 def update_bn(
     loader: Iterable[Any],
     model: nn.Module,
+    device: torch.device | str | int | None = None,
     *,
     forward: Forward | None = None,
-    device: torch.device | str | int | None = None,
     max_batches: int | None = None,
 ) -> int:
     """Reset and recompute the running statistics of every BatchNorm-like layer of ``model``.
@@ -42,7 +42,10 @@ def update_bn(
     the same, as in ``torch.optim.swa_utils.update_bn``). Batches may be tensors, tuples/lists (the
     first element is the input), dicts (passed as keyword arguments), or anything ``forward``
     understands: ``forward(model, batch)`` is called instead of the default when given. Tensors in
-    the batch are moved to ``device`` when it is set. At most ``max_batches`` batches are used.
+    the batch are moved to ``device`` when it is set (positional third, as in
+    ``torch.optim.swa_utils.update_bn(loader, model, device)``). ``model`` may be an
+    :class:`ember.swa.SWA`/:class:`ember.swa.EMA` (or torch's ``AveragedModel``).
+    At most ``max_batches`` batches are used.
     The train/eval mode of every submodule and every layer's momentum are restored afterwards.
 
     Returns the number of batches used (0 when the model has no such layers, in which case the

@@ -2,8 +2,9 @@
 
 Athiwaratkun et al. (2019), "There Are Many Consistent Explanations of Unlabeled Data: Why You
 Should Average" (ICLR): instead of one SWA collection at the end of each cycle (where the rate is
-lowest), fast-SWA averages every ``every`` steps within the late part of each cycle, so that the
-average gathers many more, more diverse, points for the same training budget.
+lowest), fast-SWA averages every ``every`` steps across each cycle (the reference code collects
+over the whole cycle of a cosine-shaped cyclical rate), so that the average gathers many more,
+more diverse, points for the same training budget.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ class FastSWASchedule:
 
     Steps are counted from 0 at the start of the cyclical phase. Within each cycle of ``cycle``
     steps the collection points are the last step of the cycle and every ``every``-th step before
-    it, as long as it lies in the late part of the cycle: position ``>= floor(start * cycle)``.
-    ``every == cycle`` (or ``start == 1``) gives one collection per cycle, classic cyclic SWA.
+    it, as long as it lies in the collection window: position ``>= floor(start * cycle)``. The
+    default ``start=0`` is the whole cycle, as in the reference code; ``start=0.5`` collects only
+    in the late half. ``every == cycle`` (or ``start == 1``) gives one collection per cycle,
+    classic cyclic SWA.
     """
 
-    def __init__(self, cycle: int, every: int, *, start: float = 0.5) -> None:
+    def __init__(self, cycle: int, every: int, *, start: float = 0.0) -> None:
         for name, value in (("cycle", cycle), ("every", every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -58,17 +61,20 @@ class FastSWA:
     """A cyclical rate on ``optimizer`` and an SWA of ``model`` collected fast-SWA style.
 
     Call :meth:`step` with the training model after every optimizer step: it adds the weights to
-    :attr:`swa` at the collection points of :class:`FastSWASchedule` and moves the rate to the
-    next step's value of :class:`~ember.swa.CyclicSWALR` (from ``lr_max`` down to ``lr_min``
-    within each cycle). Recompute BatchNorm statistics of ``swa.module`` before use
+    :attr:`swa` at the collection points of :class:`FastSWASchedule` (window from ``start``) and
+    moves the rate to the next step's value of :class:`~ember.swa.CyclicSWALR` (from ``lr_max``
+    down to ``lr_min`` within each cycle, along a half cosine by default as the reference, or
+    ``shape="linear"``). Recompute BatchNorm statistics of ``swa.module`` before use
     (:func:`ember.swa.update_bn`).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, lr_max: float,
-                 lr_min: float, cycle: int, every: int, start: float = 0.5,
+                 lr_min: float, cycle: int, every: int, start: float = 0.0,
+                 shape: str = "cosine",
                  device: torch.device | str | int | None = None) -> None:
         self.schedule = FastSWASchedule(cycle, every, start=start)
-        self.scheduler = CyclicSWALR(optimizer, lr_max=lr_max, lr_min=lr_min, cycle=cycle)
+        self.scheduler = CyclicSWALR(optimizer, lr_max=lr_max, lr_min=lr_min, cycle=cycle,
+                                     shape=shape)
         self.swa = SWA(model, device=device)
         self.steps = 0
 

@@ -2,7 +2,9 @@
 
 A block of values shares one exponent ``e = floor(log2(max |x|))`` taken over the block; every
 value keeps a signed integer mantissa of ``wl`` bits: ``q = clamp(round(x / 2^(e - wl + 2)),
--2^(wl-1), 2^(wl-1) - 1) * 2^(e - wl + 2)``. Blocks that are all zero stay zero. Pure torch: no
+-2^(wl-1), 2^(wl-1) - 1) * 2^(e - wl + 2)``, with the shared exponent ``e`` clamped to the range
+of ``ebit`` bits (``[-2^(ebit-1), 2^(ebit-1) - 1]``, 8 bits by default as in SWALP's reference).
+Blocks that are all zero stay zero. Pure torch: no
 compiled extension (QPyTorch, which SWALP used, compiles C++ at import time).
 """
 
@@ -19,9 +21,12 @@ __all__ = ["BlockQuantizer", "block_quantize"]
 _ROUNDINGS = ("stochastic", "nearest")
 
 
-def _check(wl: int, dim: int | None, block_size: int | None, rounding: str) -> None:
+def _check(wl: int, dim: int | None, block_size: int | None, rounding: str,
+           ebit: int | None = 8) -> None:
     if isinstance(wl, bool) or not isinstance(wl, int) or wl < 2:
         raise ValueError(f"word length wl must be an int >= 2 (sign bit plus at least one bit), got {wl!r}")
+    if ebit is not None and (isinstance(ebit, bool) or not isinstance(ebit, int) or ebit < 2):
+        raise ValueError(f"exponent bits ebit must be an int >= 2 or None (unbounded), got {ebit!r}")
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be one of {_ROUNDINGS}, got {rounding!r}")
     if dim is not None and block_size is not None:
@@ -63,6 +68,7 @@ def block_quantize(
     dim: int | None = None,
     block_size: int | None = None,
     rounding: str = "stochastic",
+    ebit: int | None = 8,
     generator: Any = None,
 ) -> Tensor:
     """Return ``x`` quantized to block floating point with ``wl``-bit signed mantissas.
@@ -73,9 +79,12 @@ def block_quantize(
     ``"stochastic"`` (unbiased: rounds up with probability equal to the fractional part, random bits
     from ``torch.rand(..., generator=generator)``, so a ``torch.Generator`` or an
     :mod:`ember.csprng` generator both work) or ``"nearest"`` (ties to even). Values beyond the
-    largest mantissa saturate. Non-finite inputs raise ``ValueError``. The result has ``x``'s dtype.
+    largest mantissa saturate. The shared exponent ``floor(log2 max|x|)`` is clamped to what ``ebit``
+    bits hold (``[-2^(ebit-1), 2^(ebit-1) - 1]``; ``None``: no bound), so blocks far below
+    ``2^-128`` flush to zero and far above ``2^127`` saturate. Non-finite inputs raise
+    ``ValueError``. The result has ``x``'s dtype.
     """
-    _check(wl, dim, block_size, rounding)
+    _check(wl, dim, block_size, rounding, ebit)
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise TypeError(f"block_quantize expects a floating-point tensor, got {type(x).__name__}"
                         + (f" of dtype {x.dtype}" if isinstance(x, Tensor) else ""))
@@ -90,7 +99,10 @@ def block_quantize(
     _, exp = torch.frexp(maxabs)  # maxabs = m * 2^exp, m in [0.5, 1): floor(log2 maxabs) = exp - 1
     # One mantissa step is 2^shift; scaling by powers of two is exact. A zero block has exp 0 and
     # all-zero values, which round to zero under both roundings.
-    shift = ((exp - 1) - (wl - 2)).to(work.dtype)
+    e = exp - 1
+    if ebit is not None:
+        e = e.clamp(-(2 ** (ebit - 1)), 2 ** (ebit - 1) - 1)
+    shift = (e - (wl - 2)).to(work.dtype)
     v = _times_pow2(work, -shift)
     if rounding == "nearest":
         r = torch.round(v)
@@ -107,7 +119,7 @@ def block_quantize(
 class BlockQuantizer:
     """A configured :func:`block_quantize`: ``q(x, generator=g)`` quantizes ``x``.
 
-    ``wl``, ``dim``, ``block_size`` and ``rounding`` are as for :func:`block_quantize` and checked
+    ``wl``, ``dim``, ``block_size``, ``rounding`` and ``ebit`` are as for :func:`block_quantize` and checked
     at construction; with ``dim`` set, tensors of fewer than 2 dimensions (biases) form one block.
     """
 
@@ -115,13 +127,14 @@ class BlockQuantizer:
     dim: int | None = None
     block_size: int | None = None
     rounding: str = "stochastic"
+    ebit: int | None = 8
 
     def __post_init__(self) -> None:
-        _check(self.wl, self.dim, self.block_size, self.rounding)
+        _check(self.wl, self.dim, self.block_size, self.rounding, self.ebit)
 
     def __call__(self, x: Tensor, *, generator: Any = None) -> Tensor:
         dim = self.dim
         if dim is not None and x.dim() < 2:
             dim = None  # per-row on a bias vector: one block for the whole vector
         return block_quantize(x, self.wl, dim=dim, block_size=self.block_size,
-                              rounding=self.rounding, generator=generator)
+                              rounding=self.rounding, ebit=self.ebit, generator=generator)

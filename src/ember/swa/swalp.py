@@ -19,7 +19,12 @@ from ember.swa.quantize import BlockQuantizer
 
 __all__ = ["ActivationQuantization", "LowPrecisionOptimizer", "quantize_activations_"]
 
-_DEFAULT_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_ACTIVATIONS: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus,
+)
+_DEFAULT_TYPES: tuple[type[nn.Module], ...] = _LAYERS + _ACTIVATIONS
 
 
 class _QuantizeFn(torch.autograd.Function):
@@ -55,28 +60,47 @@ def quantize_activations_(
     error: BlockQuantizer | None,
     *,
     types: tuple[type[nn.Module], ...] = _DEFAULT_TYPES,
+    inputs: tuple[type[nn.Module], ...] = _LAYERS,
     generator: Any = None,
 ) -> ActivationQuantization:
-    """Quantize the output of every submodule of ``model`` of one of ``types`` (forward) with
-    ``activation`` and the gradient flowing back into that output (backward) with ``error``.
+    """Quantize activations of ``model`` in low-precision training (SWALP's placement).
 
-    Either quantizer may be None (that direction stays full precision). Stochastic rounding draws
-    from ``generator``. Returns a handle whose ``remove()`` undoes it. The hooks are plain forward
-    hooks, so ``copy.deepcopy`` (and averagers built from ``model``) copy them too.
+    The output of every submodule of one of ``types`` (default: Linear/Conv layers and the
+    activation modules of ``torch.nn``) and the input of every submodule of one of ``inputs``
+    (default: Linear/Conv layers, so a layer fed by a functional activation or by the data sees a
+    quantized input too) is quantized with ``activation`` going forward, and the gradient flowing
+    back through that point with ``error``. SWALP's reference places its quantizers after each
+    activation and at the inputs and outputs of convolutions. Either quantizer may be None (that
+    direction stays full precision). Stochastic rounding draws from ``generator``. Returns a
+    handle whose ``remove()`` undoes it. Averagers built from ``model``
+    (:class:`ember.swa.SWA`, :class:`ember.swa.EMA`) leave these hooks out of their copy: the
+    average is evaluated in full precision, as in the reference.
     """
     if activation is None and error is None:
         raise ValueError("quantize_activations_ needs an activation or an error quantizer (both None)")
-    modules = [m for m in model.modules() if isinstance(m, types)]
-    if not modules:
-        raise ValueError(f"model has no submodule of types {[t.__name__ for t in types]} to quantize")
+    outs = [m for m in model.modules() if isinstance(m, types)]
+    ins = [m for m in model.modules() if isinstance(m, inputs)]
+    if not outs and not ins:
+        raise ValueError(f"model has no submodule of types {[t.__name__ for t in types + inputs]} "
+                         "to quantize")
+
+    def quantize(t: Any) -> Any:
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            return t
+        return _QuantizeFn.apply(t, activation, error, generator)
 
     def hook(_mod: nn.Module, _inp: Any, out: Any) -> Any:
-        if not isinstance(out, Tensor) or not out.is_floating_point():
-            return out
-        return _QuantizeFn.apply(out, activation, error, generator)
+        return quantize(out)
 
-    handles = [m.register_forward_hook(hook) for m in modules]
-    return ActivationQuantization(handles, modules)
+    def pre_hook(_mod: nn.Module, args: Any) -> Any:
+        return tuple(quantize(a) for a in args)
+
+    # the mark tells averagers to drop these hooks from their copy
+    hook.ember_low_precision = True  # type: ignore[attr-defined]
+    pre_hook.ember_low_precision = True  # type: ignore[attr-defined]
+    handles = [m.register_forward_pre_hook(pre_hook) for m in ins]
+    handles += [m.register_forward_hook(hook) for m in outs]
+    return ActivationQuantization(handles, list(dict.fromkeys(ins + outs)))
 
 
 def _accumulators(state: dict[str, Any], p: Tensor, keys: tuple[str, ...]) -> Iterable[Tensor]:

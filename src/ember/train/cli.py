@@ -104,13 +104,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     loop.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
                       help="clip the total gradient norm to C (after fp16 unscaling)")
     loop.add_argument("--swa-start", type=int, default=None, metavar="EPOCH",
-                      help="first epoch (0-based) of the SWA phase: SWALR to --swa-lr, SWA and SWAG "
-                      "collected after every epoch (default: no SWA)")
+                      help="first epoch (0-based) of the SWA phase: SWALR to --swa-lr, SWA (and SWAG "
+                      "with --swag-rank) collected after every epoch (default: no SWA)")
     loop.add_argument("--swa-lr", type=float, default=None, help="SWA learning rate (default: lr/2)")
     loop.add_argument("--swa-anneal-epochs", type=int, default=1, metavar="N",
                       help="epochs of cosine annealing to --swa-lr (default: %(default)s)")
-    loop.add_argument("--swag-rank", type=int, default=20, metavar="K",
-                      help="SWAG deviation rank; 0 collects SWA only (default: %(default)s)")
+    loop.add_argument("--swag-rank", type=int, default=0, metavar="K",
+                      help="also collect a SWAG posterior of this deviation rank (the paper: 20); "
+                      "0 collects SWA only (default: %(default)s)")
     dp = p.add_argument_group("differential privacy (DP-SGD through Opacus on ember.csprng)")
     dp.add_argument("--dp-epsilon", type=float, default=None, metavar="E",
                     help="train with DP-SGD for the budget (E, --dp-delta) over --epochs: the noise "
@@ -224,11 +225,17 @@ def _swap_phases(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     small = image_class_loader(args.data, batch, seed=max(args.seed, 0) + 1 + world.rank,
                                shuffle=args.shuffle_buffer or 1000, grayscale=args.grayscale,
                                num_workers=args.workers, split_ranks=False)
+    try:
+        len(small)
+        schedule = "linear"  # the paper's decay over phase 2
+    except TypeError:
+        schedule = "constant"  # a stream of unknown length: no end to decay towards
     losses, used = refine_and_average(
         model, optimizer, small, phase2_epochs=args.swap_phase2_epochs, phase2_lr=args.swap_lr,
-        bn_batches=args.swap_bn_batches, loss_fn=loss_fn)
+        phase2_schedule=schedule, bn_batches=args.swap_bn_batches, loss_fn=loss_fn)
     digests = all_gather_objects(weights_digest(model), world)
     record = {"phase2_epochs": args.swap_phase2_epochs, "phase2_batch_size": batch,
+              "phase2_schedule": schedule,
               "phase2_losses": all_gather_objects(losses, world), "bn_batches": used,
               "rank_digests": digests, "ranks_equal": len(set(digests)) == 1}
     if test is not None and world.is_main:

@@ -68,13 +68,16 @@ class TrainConfig:
     - ``max_grad_norm``: clip the total gradient norm (after unscaling) to this.
     - ``swa_start``: first epoch (0-based) of the SWA phase, or None for no SWA. In the phase the
       learning rate follows ``swa_schedule`` and, after each epoch (or every ``swa_every_steps``
-      optimizer steps), the weights are added to SWA and (if ``swag_rank``) to a SWAG posterior of
+      optimizer steps), the weights are added to SWA and (if ``swag_rank`` is set: opt-in, the
+      paper uses 20, and it keeps ``swag_rank + 2`` copies of the weights) to a SWAG posterior of
       that rank. ``swa_schedule``: ``"anneal"`` (SWALR to ``swa_lr`` over ``swa_anneal_epochs``
       epochs, ``swa_anneal_strategy`` ``"cos"`` or ``"linear"``), ``"constant"`` (``swa_lr`` from
       the first step of the phase) or ``"cyclic"`` (per step from ``swa_lr_max`` down to
-      ``swa_lr`` in cycles of ``swa_cycle`` steps; collection at each cycle end, or, with
+      ``swa_lr`` in cycles of ``swa_cycle`` steps, ``swa_cycle_shape`` ``"linear"`` or
+      ``"cosine"`` (fast-SWA's reference); collection at each cycle end, or, with
       ``swa_every_steps``, fast-SWA: every that many steps back from each cycle end within the
-      second half of the cycle, see :class:`ember.swa.FastSWASchedule`).
+      window from ``swa_collect_start`` (a fraction of the cycle; 0, the default, is the whole
+      cycle as in the reference, 0.5 the late half), see :class:`ember.swa.FastSWASchedule`).
     - SWAG: ``swag_device`` (where its statistics live, CPU by default), ``swag_diagonal``
       (no deviation ring), ``swag_params`` (parameter names to build the posterior over).
     - ``scheduler_interval``: step the user's ``scheduler`` after every ``"epoch"`` or every
@@ -103,12 +106,14 @@ class TrainConfig:
     swa_start: int | None = None
     swa_lr: float | None = None
     swa_anneal_epochs: int = 1
-    swag_rank: int | None = 20
+    swag_rank: int | None = None
     swa_every_steps: int | None = None
     swa_schedule: str = "anneal"
     swa_anneal_strategy: str = "cos"
     swa_lr_max: float | None = None
     swa_cycle: int | None = None
+    swa_cycle_shape: str = "linear"
+    swa_collect_start: float = 0.0
     swag_diagonal: bool = False
     swag_device: str = "cpu"
     swag_params: tuple[str, ...] | None = None
@@ -183,6 +188,14 @@ class TrainConfig:
             if self.swa_cycle is not None or self.swa_lr_max is not None:
                 raise ConfigError("swa_cycle and swa_lr_max are for swa_schedule='cyclic', got "
                                   f"swa_schedule={self.swa_schedule!r}")
+        if self.swa_cycle_shape not in ("linear", "cosine"):
+            raise ConfigError(f"swa_cycle_shape must be 'linear' or 'cosine', got "
+                              f"{self.swa_cycle_shape!r}")
+        if isinstance(self.swa_collect_start, bool) \
+                or not isinstance(self.swa_collect_start, (int, float)) \
+                or not 0.0 <= self.swa_collect_start <= 1.0:
+            raise ConfigError(f"swa_collect_start must be a fraction of the cycle in [0, 1], got "
+                              f"{self.swa_collect_start!r}")
         if self.scheduler_interval not in ("epoch", "step"):
             raise ConfigError(f"scheduler_interval must be 'epoch' or 'step', got "
                               f"{self.scheduler_interval!r}")
@@ -343,7 +356,7 @@ def _make_swalr(optimizer: torch.optim.Optimizer, config: TrainConfig) -> LRSche
     """The SWA phase's rate schedule (SWALR per epoch, or CyclicSWALR per step)."""
     if config.swa_schedule == "cyclic":
         return CyclicSWALR(optimizer, lr_max=config.swa_lr_max, lr_min=config.swa_lr,
-                           cycle=config.swa_cycle)
+                           cycle=config.swa_cycle, shape=config.swa_cycle_shape)
     if config.swa_schedule == "constant":  # a cycle of one step is the constant rate lr_min
         return CyclicSWALR(optimizer, lr_max=config.swa_lr, lr_min=config.swa_lr, cycle=1)
     return SWALR(optimizer, swa_lr=config.swa_lr, anneal_epochs=config.swa_anneal_epochs,
@@ -357,12 +370,15 @@ def _settings(config: TrainConfig) -> dict[str, Any]:
             "swa_every_steps": config.swa_every_steps, "swa_schedule": config.swa_schedule,
             "swa_cycle": config.swa_cycle, "swag_diagonal": config.swag_diagonal,
             "swag_params": None if config.swag_params is None else list(config.swag_params),
-            "scheduler_interval": config.scheduler_interval}
+            "scheduler_interval": config.scheduler_interval,
+            "swa_cycle_shape": config.swa_cycle_shape,
+            "swa_collect_start": config.swa_collect_start}
 
 
 # what checkpoints written before an option existed were trained with
 _LEGACY_SETTINGS = {"swa_every_steps": None, "swa_schedule": "anneal", "swa_cycle": None,
-                    "swag_diagonal": False, "swag_params": None, "scheduler_interval": "epoch"}
+                    "swag_diagonal": False, "swag_params": None, "scheduler_interval": "epoch",
+                    "swa_cycle_shape": "linear", "swa_collect_start": 0.5}
 
 
 def _checkpoint_state(world: World, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -479,7 +495,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
     ``eval_swa_*`` with BatchNorm recomputed on ``bn_loader``) to each epoch's record.
     ``bn_loader`` recomputes the SWA model's BatchNorm statistics at the end. ``on_step(step,
     record)`` is called after every optimizer step (and after that step's checkpoint, if any);
-    ``on_epoch(epoch, record)`` after every epoch's record is written.
+    it may raise :class:`StopTraining` to end training there. ``on_epoch(epoch, record)`` is
+    called after every epoch's record is written.
 
     Run under ``torchrun`` to train with DistributedDataParallel (gloo on CPU): each rank must
     read its own part of the data with the same number of batches (``ShardDataset(...,
@@ -503,6 +520,12 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
                         cleanup)
     finally:
         shutdown(world)
+
+
+class StopTraining(Exception):  # noqa: N818 (a signal, not an error)
+    """Raise from ``fit``'s ``on_step`` to end training after that step: the epoch's bookkeeping
+    (history, evaluation, checkpoint) runs, then ``fit`` finishes and returns normally. Under
+    DDP every rank must raise at the same step."""
 
 
 def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, scheduler,
@@ -537,7 +560,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                         params=config.swag_params, device=config.swag_device)
         except ValueError as err:
             raise ConfigError(f"TrainConfig.swag_params/swag_device: {err}") from err
-    fast = FastSWASchedule(config.swa_cycle, config.swa_every_steps) \
+    fast = FastSWASchedule(config.swa_cycle, config.swa_every_steps,
+                           start=config.swa_collect_start) \
         if config.swa_schedule == "cyclic" and config.swa_every_steps is not None else None
 
     def collect_swa() -> None:
@@ -593,6 +617,7 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             save_checkpoint(ckpt_path, state)
 
     bar = _progress_bar(config.progress and world.is_main)
+    stop = False  # on_step raised StopTraining
     try:
         for epoch in range(progress.epoch, config.epochs):
             if private is not None and private.stopped:
@@ -663,7 +688,11 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 if config.checkpoint_every and progress.step % config.checkpoint_every == 0:
                     checkpoint()
                 if on_step is not None:
-                    on_step(progress.step, record)
+                    try:
+                        on_step(progress.step, record)
+                    except StopTraining:
+                        stop = True
+                        break
 
             leftover = progress.micro % config.accumulate
             if leftover:
@@ -698,6 +727,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
                 checkpoint()
             if on_epoch is not None:
                 on_epoch(epoch, record)
+            if stop:
+                break
 
         # each rank's last forward updated its own BatchNorm statistics: agree on rank 0's
         for kept in (model, swa.module if swa is not None else None,

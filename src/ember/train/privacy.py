@@ -28,7 +28,8 @@ from torch import nn
 from ember.train.errors import ConfigError
 
 __all__ = ["ACCOUNTANTS", "PrivacyConfig", "PrivateTraining", "add_secure_noise",
-           "check_combination", "check_loader", "check_model", "make_private", "strip_opacus"]
+           "check_combination", "check_loader", "check_model", "fuse_secure_noise", "make_private",
+           "secure_noise", "strip_opacus"]
 
 ACCOUNTANTS = ("rdp", "prv")
 
@@ -156,7 +157,14 @@ def check_model(model: nn.Module, *, replace_batchnorm: bool = False) -> nn.Modu
 def add_secure_noise(tensors: Sequence[torch.Tensor], std: float,
                      generator: torch.Generator) -> list[torch.Tensor]:
     """``tensors`` plus Opacus's secure-mode Gaussian noise of std ``std`` (one draw per tensor,
-    in order, from ``generator``): the one place DP-SGD's noise is drawn."""
+    in order, from ``generator``): the one place DP-SGD's noise is drawn. On an ember generator
+    the draws for all tensors are made together (:func:`secure_noise`), with exactly the values of
+    Opacus's per-tensor ``_generate_noise``."""
+    import ember.csprng as csprng
+
+    if csprng.is_generator(generator):
+        return [t + z for t, z in zip(tensors, secure_noise(std, list(tensors), generator),
+                                      strict=True)]
     from opacus.optimizers.optimizer import _generate_noise
 
     return [t + _generate_noise(std, t, generator=generator, secure_mode=True) for t in tensors]
@@ -501,3 +509,64 @@ def check_combination(config: Any, world: Any) -> None:
     if config.checkpoint_every is not None:
         raise ConfigError("privacy checkpoints at epoch ends only (checkpoint_every is not "
                           "supported: the Poisson sampler cannot resume mid-epoch)")
+
+
+# ---------------------------------------------------------------------- fused secure-mode noise
+def secure_noise(std: float, references: list[torch.Tensor], generator: Any) -> list[torch.Tensor]:
+    """Opacus's secure-mode noise for each of ``references``, drawn with one ``normal_foreach_``.
+
+    Exactly the values (and the generator position) of calling Opacus's
+    ``_generate_noise(std, ref, generator, secure_mode=True)`` for each reference in order: per
+    reference, one throw-away ``normal(0, std, (1, 1))`` and then ``(z1 + z2 + z3 + z4) / 2`` of four
+    ``normal(0, std, ref.shape)`` draws (float32, the default dtype, as Opacus draws them), summed
+    into zeros of the reference's dtype in that order.
+    """
+    from ember.csprng import normal_foreach_
+    from ember.csprng.foreach import secure_noise_foreach_
+
+    if std == 0:
+        return [torch.zeros(r.shape, device=r.device, dtype=r.dtype) for r in references]
+    if all(r.dtype == torch.float32 for r in references):  # one launch on CUDA
+        return secure_noise_foreach_([torch.empty(r.shape, device=r.device) for r in references],
+                                     float(std), generator=generator)
+    draws: list[torch.Tensor] = []
+    for r in references:
+        draws.append(torch.empty((1, 1), device=r.device))
+        draws.extend(torch.empty(r.shape, device=r.device) for _ in range(4))
+    normal_foreach_(draws, float(std), generator=generator)
+    noise = []
+    for i, r in enumerate(references):
+        total = torch.zeros(r.shape, device=r.device, dtype=r.dtype)
+        for z in draws[5 * i + 1: 5 * i + 5]:
+            total += z
+        noise.append(total / 2)
+    return noise
+
+
+def fuse_secure_noise(optimizer: Any) -> bool:
+    """Make an Opacus ``DPOptimizer`` in secure mode on an ember generator draw each step's noise
+    for all parameters with :func:`secure_noise` (the same values, one pass instead of five calls
+    per parameter). Returns False, changing nothing, for other optimizers and generators."""
+    import ember.csprng as csprng
+
+    try:
+        from opacus.optimizers.optimizer import DPOptimizer, _check_processed_flag, _mark_as_processed
+    except ImportError:
+        return False
+    if (getattr(type(optimizer), "add_noise", None) is not DPOptimizer.add_noise
+            or not optimizer.secure_mode
+            or not csprng.is_generator(optimizer.generator)):
+        return False
+
+    def add_noise() -> None:
+        params = list(optimizer.params)
+        for p in params:
+            _check_processed_flag(p.summed_grad)
+        std = optimizer.noise_multiplier * optimizer.max_grad_norm
+        noises = secure_noise(std, [p.summed_grad for p in params], optimizer.generator)
+        for p, noise in zip(params, noises, strict=True):
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+    optimizer.add_noise = add_noise
+    return True
