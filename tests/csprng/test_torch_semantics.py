@@ -610,9 +610,22 @@ def test_default_device_meta_like_torch():
     try:
         got = [torch.rand(3, generator=gen).device.type for gen in (eg(), tg())]
         plain = torch.randperm(3).device.type  # importing ember keeps torch's own calls on meta
-    finally:
-        torch.set_default_device(before)
+    finally:  # None, not "cpu": a cpu default would leave a device mode on for later tests
+        torch.set_default_device(None if before.type == "cpu" else before)
     assert got == ["meta", "meta"] and plain == "meta"
+
+
+def test_compile_under_a_device_context_still_traces():
+    from ember.csprng import ops
+
+    def f(x, state):
+        noise, state = ops.sample(state, "normal_", x.shape, 0.0, 1.0)
+        return x + noise + torch.rand(3), state
+
+    state = ops.state_of(eg())
+    with torch.device("cpu"):
+        out, _ = torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(3), state)
+    assert out.shape == (3,)
 
 
 def test_explicit_meta_device_draws_nothing():

@@ -715,10 +715,10 @@ def install() -> None:
         original = getattr(torch.Tensor, name)
         _ORIGINALS[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _INHERITED)
         setattr(torch.Tensor, name, _wrap(original, impl))
-    if isinstance(base, (set, frozenset)):
-        wrappers = {getattr(torch, n) for (m, n), o in _ORIGINALS.items() if m is torch and o in base}
-        _ORIGINALS[(_device, "_device_constructors")] = known
-        _device._device_constructors = functools.lru_cache(1)(lambda: base | wrappers)
+    if isinstance(base, set):  # the cached set itself: torch.compile keeps tracing torch's function
+        _DEVICE_WRAPPERS.update(getattr(torch, n) for (m, n), o in _ORIGINALS.items()
+                                if m is torch and o in base)
+        base.update(_DEVICE_WRAPPERS)
     from . import python_paths
 
     python_paths.install(_ORIGINALS)
@@ -847,8 +847,17 @@ def _eager(impl: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return impl(*args, **kwargs)
 
 
+_DEVICE_WRAPPERS: set[Any] = set()
+
+
 def uninstall() -> None:
     """Restore torch's original functions."""
+    from torch.utils import _device
+
+    known = getattr(_device, "_device_constructors", None)
+    if known is not None and _DEVICE_WRAPPERS:
+        known().difference_update(_DEVICE_WRAPPERS)
+        _DEVICE_WRAPPERS.clear()
     for (owner, name), original in _ORIGINALS.items():
         if original is _INHERITED:
             delattr(owner, name)
