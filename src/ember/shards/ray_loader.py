@@ -76,6 +76,7 @@ class _Outcome:
     leftover: list = field(default_factory=list)  # items after the shard's last full batch
     stopped: bool = False  # a handler returned False: the rank's stream ends after this shard
     fatal: BaseException | None = None  # raised by the pipeline (after the items sent)
+    warned: list = field(default_factory=list)  # (category, message) warned by the stages
 
 
 def _portable(exc: BaseException, where: str) -> BaseException:
@@ -193,13 +194,26 @@ def run_shard(spec: _Spec, shard: int, epoch: int, visit: int, limit: int | None
     if spec.batch is not None:
         src = _full_batches(src, spec.batch[0], spec.batch[1], out)
     group: list = []
+    done = False
     try:
-        for unit in src:
-            if skip:
-                skip -= 1
-                continue
-            group.append(unit)
-            if len(group) == spec.group:
+        while not done:
+            # warnings are recorded only while the pipeline runs (not while Ray sends a group)
+            # and sent to the trainer, which issues them again: a handler's warnings reach it
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                try:
+                    while len(group) < spec.group:
+                        unit = next(src, _END)
+                        if unit is _END:
+                            done = True
+                            break
+                        if skip:
+                            skip -= 1
+                            continue
+                        group.append(unit)
+                finally:
+                    out.warned.extend(_warned(w) for w in seen)
+            if group and not done:
                 yield group
                 group = []
     except Exception as exc:
@@ -214,17 +228,23 @@ def run_shard(spec: _Spec, shard: int, epoch: int, visit: int, limit: int | None
     yield out
 
 
+_END = object()
+
+
+def _warned(w: warnings.WarningMessage) -> tuple[type[Warning], str]:
+    """A recorded warning as (category, message), the category a picklable Warning class."""
+    import pickle
+
+    category = w.category if isinstance(w.category, type) and issubclass(w.category, Warning) \
+        else UserWarning
+    try:
+        pickle.loads(pickle.dumps(category))
+    except Exception:
+        category = UserWarning
+    return category, str(w.message)
+
+
 # ---- the training process's side ---------------------------------------------------------------
-
-@dataclass
-class _Task:
-    """One task of a rank's epoch: shard ``shard`` (its ``visit``-th read), at most ``limit``
-    samples (None: all)."""
-
-    shard: int
-    visit: int
-    limit: int | None
-
 
 class RayShardLoader:
     """The items of a :class:`ShardDataset` pipeline for one training process (rank), made by Ray
@@ -288,13 +308,16 @@ class RayShardLoader:
         self._pos: dict = self._start_position()
         self._on_error = _ErrorPolicy(dataset.on_error)
         self._last_errors: int | None = None  # set when an epoch ends
+        self._owner: object | None = None  # the token of the newest iterator
 
     def connect(self) -> None:
         """Connect to the cluster now (iteration does it otherwise): Ray initialised with
-        ``address`` unless it already is. Raises ImportError without Ray, ConnectionError
-        naming the address when it cannot connect."""
+        ``address`` unless it already is (then a warning if ``address`` names another
+        cluster than the one Ray is connected to: Ray connects once per process). Raises
+        ImportError without Ray, ConnectionError naming the address when it cannot connect."""
         ray = _ray()
         if ray.is_initialized():
+            _check_same_cluster(ray, self.address)
             return
         try:
             ray.init(address=self.address)
@@ -321,6 +344,7 @@ class RayShardLoader:
             part._pos = part._start_position()
             part._on_error = _ErrorPolicy(self.dataset.on_error)
             part._last_errors = None
+            part._owner = None
             out.append(part)
         return out
 
@@ -381,9 +405,10 @@ class RayShardLoader:
 
     # ---- the plan of an epoch --------------------------------------------------------------
 
-    def _plan(self, epoch: int, rank: int, world: int) -> tuple[list[int], list[_Task],
-                                                               int | None, list[int] | None]:
-        """The rank's shards, its planned tasks, its sample quota (equalize) and shard sizes."""
+    def _plan(self, epoch: int, rank: int, world: int) -> tuple[list[int], int | None,
+                                                               list[int] | None]:
+        """The rank's shards, its sample quota (equalize) and the shard sizes. Task ``k`` of
+        the epoch reads shard ``mine[k % len(mine)]`` (its ``k // len(mine)``-th read)."""
         ds = self.dataset
         n = len(ds.urls)
         gen = copy.deepcopy(ds.generator)
@@ -394,8 +419,8 @@ class RayShardLoader:
             if not mine:
                 warnings.warn(f"{n} shards for {world} ranks: rank {rank} gets no shard, so "
                               "ranks are uneven; use more shards, or equalize='repeat'",
-                              stacklevel=3)
-            return mine, [_Task(i, 0, None) for i in mine], None, None
+                              stacklevel=4)
+            return mine, None, None
         sizes = ds.ensure_shard_sizes()
         quota = plan.equal_quotas(sizes, seed=ds.seed, epoch=epoch, world=world, num_workers=1,
                                   mode=ds.equalize, shuffle=ds.shuffle_shards,
@@ -404,18 +429,7 @@ class RayShardLoader:
             order = plan.shard_order(n, seed=ds.seed, epoch=epoch, shuffle=ds.shuffle_shards,
                                      generator=copy.deepcopy(ds.generator))
             mine = [order[rank % n]]
-        tasks, left = [], quota
-        if sum(sizes[i] for i in mine) == 0:
-            return mine, tasks, quota, sizes  # nothing planned: the refill reports it
-        k = 0
-        while left > 0:
-            i = mine[k % len(mine)]
-            take = min(sizes[i], left)
-            if take:
-                tasks.append(_Task(i, k // len(mine), take))
-            left -= take
-            k += 1
-        return mine, tasks, quota, sizes
+        return mine, quota, sizes
 
     # ---- iteration ---------------------------------------------------------------------------
 
@@ -425,6 +439,32 @@ class RayShardLoader:
         return max(2, int(ray.cluster_resources().get("CPU", 1)))
 
     def __iter__(self) -> Iterator:
+        """The items of the current epoch (or the rest of it, after ``load_state_dict``).
+
+        One iterator at a time: a new ``iter(loader)`` takes over the loader's position, and the
+        older iterator raises RuntimeError if it is used again."""
+        token = object()
+        self._owner = token
+        return self._guarded(token)
+
+    def _guarded(self, token: object) -> Iterator:
+        inner = self._iterate()
+        try:
+            while True:
+                if self._owner is not token:
+                    raise RuntimeError("this RayShardLoader iterator was replaced by a newer "
+                                       "iter(loader); a loader has one position, so only its "
+                                       "newest iterator can go on (use split(n) or a second "
+                                       "loader for concurrent streams)")
+                try:
+                    item = next(inner)
+                except StopIteration:
+                    return
+                yield item
+        finally:
+            inner.close()
+
+    def _iterate(self) -> Iterator:
         self.connect()
         ray = _ray()
         ds = self.dataset
@@ -436,7 +476,7 @@ class RayShardLoader:
         self._pos = pos
         self._last_errors = None
         self._on_error = _ErrorPolicy(ds.on_error)
-        mine, planned, quota, sizes = self._plan(epoch, rank, world)
+        mine, quota, sizes = self._plan(epoch, rank, world)
         batch = None
         per_sample = ds.stages
         if ds.stages and ds.stages[-1][0] == "batched":
@@ -449,41 +489,52 @@ class RayShardLoader:
         # "streaming": each object a task yields reaches this process while the task goes on
         remote = ray.remote(run_shard).options(**{**self.ray_remote_args,
                                                   "num_returns": "streaming"})
-        spec_ref = ray.put(spec)
+        spec_ref = _put_spec(ray, spec)
         window = self._window(ray)
         first, skip = pos["task"], pos["taken"]
+        # in flight: (task index, samples assumed read before it, its ObjectRefGenerator)
         inflight: deque = deque()
-        submitted = first
-        idle = 0  # refill tasks in a row that read nothing
+        state = {"next": first, "expected": pos["raw"]}  # next task; samples read, as planned
+        idle = 0  # tasks in a row that read nothing
 
-        def submit(k: int, task: _Task) -> None:
-            gen = remote.remote(spec_ref, task.shard, epoch, task.visit, task.limit,
+        def submit() -> None:
+            k = state["next"]
+            i = mine[k % len(mine)]
+            assumed, limit = state["expected"], None
+            if quota is not None:
+                # as locally: a shard is read to its end unless the quota is reached in it
+                limit = quota - assumed
+                state["expected"] = assumed + min(sizes[i], limit)
+            gen = remote.remote(spec_ref, i, epoch, k // len(mine), limit,
                                 skip if k == first else 0)
-            inflight.append((k, gen))
+            inflight.append((k, assumed, gen))
+            state["next"] = k + 1
+
+        def more() -> bool:
+            if quota is None:
+                return state["next"] < len(mine)
+            if not inflight:
+                state["expected"] = pos["raw"]  # what was read, whatever the sizes said
+            return state["expected"] < quota
 
         current = None
         try:
             while True:
-                while len(inflight) < window and submitted < len(planned):
-                    submit(submitted, planned[submitted])
-                    submitted += 1
+                while len(inflight) < window and more():
+                    submit()
                 if not inflight:
-                    if quota is None or pos["raw"] >= quota:
-                        break
-                    # equalize: errors left the rank short of its quota; read on through its
-                    # shards, one task at a time (each knows how many samples are missing)
-                    if idle >= len(mine):
-                        raise ShardError(f"rank {rank} has no readable samples to reach its "
-                                         f"equalize={ds.equalize!r} quota of {quota}")
-                    k = submitted
-                    i = mine[k % len(mine)]
-                    submit(k, _Task(i, k // len(mine), min(sizes[i], quota - pos["raw"])))
-                    submitted += 1
-                k, current = inflight.popleft()
+                    break
+                k, assumed, current = inflight.popleft()
+                if quota is not None and assumed != pos["raw"]:
+                    # the tasks before it read another number of samples than the shard sizes
+                    # say (errors): its limit is wrong; plan again from here with what was read
+                    inflight.clear()
+                    current = None
+                    state.update(next=k, expected=pos["raw"])
+                    continue
                 outcome = yield from self._hand_out(ray, current, pos)
                 current = None
-                if k >= len(planned):
-                    idle = idle + 1 if outcome.raw == 0 else 0
+                idle = idle + 1 if outcome.raw == 0 else 0
                 # the task is done: the position moves past it before anything else is handed out
                 pending = pos["pending"] + outcome.leftover
                 ready = batch is not None and len(pending) >= batch[0]
@@ -494,12 +545,19 @@ class RayShardLoader:
                     yield _collate(batch, pending[:batch[0]])
                 if outcome.stopped:
                     break
+                if quota is not None and pos["raw"] < quota and idle >= len(mine):
+                    raise ShardError(f"rank {rank} has no readable samples to reach its "
+                                     f"equalize={ds.equalize!r} quota of {quota}")
             if batch is not None and pos["pending"] and partial:
                 items, pos["pending"] = pos["pending"], []
                 yield _collate(batch, items)
         finally:
-            for gen in ([current] if current is not None else []) + [g for _, g in inflight]:
-                _cancel(ray, gen)
+            # tasks whose items will not be used are not cancelled (ray.cancel of a running
+            # streaming generator task can abort the trainer inside Ray): dropping their
+            # generators deletes their streams, so what they still send is freed, and they end
+            # at the end of their shard
+            inflight.clear()
+            current = None
         self.epoch = epoch + 1
         self._last_errors = pos["errors"]
         self._pos = self._start_position()
@@ -510,6 +568,8 @@ class RayShardLoader:
         for ref in gen:
             obj = ray.get(ref)
             if isinstance(obj, _Outcome):
+                for category, message in obj.warned:
+                    warnings.warn(message, category, stacklevel=2)
                 if obj.fatal is not None:
                     self._errors(obj, pos)
                     raise obj.fatal
@@ -528,14 +588,77 @@ class RayShardLoader:
         pos["errors"] = policy.count
 
 
+def _check_same_cluster(ray: Any, address: str | None) -> None:
+    """Warn when ``address`` names another cluster than the one Ray is initialised with."""
+    if address is None or address == "auto":
+        return
+    try:
+        current = ray.get_runtime_context().gcs_address
+    except Exception:
+        current = None
+    if current is not None and _host_port(address) == _host_port(current):
+        return
+    warnings.warn(f"RayShardLoader(address={address!r}) is not used: Ray is already initialised "
+                  f"in this process (connected to {current or 'another cluster'}), and a "
+                  "process connects to one cluster; call ray.shutdown() first, or leave "
+                  "address=None", RuntimeWarning, stacklevel=4)
+
+
+def _host_port(address: str) -> tuple[str, str]:
+    """(IP, port) of a ``host:port`` address, the host resolved where it can be."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    with contextlib.suppress(OSError):
+        host = socket.gethostbyname(host)
+    return host, port
+
+
 def _collate(batch: tuple[int, Callable | None], items: list) -> Any:
     return batch[1](items) if batch[1] is not None else items
 
 
-def _cancel(ray: Any, gen: Any) -> None:
-    """Stop a task whose items will not be used (an iteration broken off, an error)."""
-    with contextlib.suppress(Exception):  # already finished, or no generator cancellation
-        ray.cancel(gen)
+def _put_spec(ray: Any, spec: _Spec) -> Any:
+    """``spec`` in Ray's object store; a TypeError naming the stage that cannot be pickled."""
+    try:
+        return ray.put(spec)
+    except Exception as exc:
+        culprit = _unpicklable(ray, spec)
+        if culprit is None:
+            raise
+        raise TypeError(f"RayShardLoader sends the pipeline to the Ray workers, but {culprit} "
+                        f"cannot be pickled ({_first_line(exc)}); use functions and objects "
+                        "that pickle (define them at module level, or create what they hold, "
+                        "such as locks, files or connections, inside the function)") from None
+
+
+def _unpicklable(ray: Any, spec: _Spec) -> str | None:
+    """What in ``spec`` cannot be pickled, in words, or None."""
+    parts = [(f"stage {i} ({kind}{_callable_name(p)})", p) for i, (kind, p) in
+             enumerate(spec.stages)]
+    if spec.batch is not None:
+        parts.append((f"the collation_fn of batched{_callable_name(spec.batch)}", spec.batch))
+    parts += [("the dataset's URL options", spec.options), ("the dataset's generator",
+                                                            spec.generator)]
+    for what, obj in parts:
+        try:
+            ray.cloudpickle.dumps(obj)
+        except Exception:
+            return what
+    return None
+
+
+def _callable_name(p: tuple) -> str:
+    names = [getattr(x, "__qualname__", None) for x in p if callable(x)]
+    names = [n for n in names if n]
+    return f" {names[0]}" if names else ""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if "FAIL" in line or "cannot pickle" in line]
+    text = lines[0] if lines else str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text.strip("! ").strip()
 
 
 def _check_pipeline(ds: ShardDataset) -> None:
