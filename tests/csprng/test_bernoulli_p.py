@@ -7,14 +7,15 @@ import torch
 import ember.csprng as csprng
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.bool])
+# (bool and integer p raise NotImplementedError, as in torch: test_torch_semantics.py)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_p_of_any_dtype_draws_like_its_float64_values(dtype):
     base = torch.linspace(0, 1, 2 * 3000, dtype=torch.float64).to(dtype)
     p = base[::2].reshape(30, 100)  # strided, not contiguous
     got = torch.bernoulli(p, generator=csprng.create_generator(5))
     want = torch.bernoulli(p.double().contiguous(), generator=csprng.create_generator(5))
     assert torch.equal(got, want.to(got.dtype))
-    assert 0 < int(got.sum()) < p.numel() or dtype == torch.bool
+    assert 0 < int(got.sum()) < p.numel()
 
 
 def test_broadcast_p_equals_the_scalar_draw():

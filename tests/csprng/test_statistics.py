@@ -219,9 +219,10 @@ def test_multinomial_without_replacement_first_two_draws():
     assert stats.chisquare(observed, expected).pvalue > ALPHA
 
 
-def test_multinomial_refuses_too_few_categories():
-    with pytest.raises(ValueError, match="non-zero categories"):
-        torch.multinomial(torch.tensor([1.0, 0.0, 0.0]), 2, generator=gen())
+def test_multinomial_with_too_few_non_zero_categories_takes_those_first():
+    # torch accepts this draw (review 2 of issue 24): the non-zero categories come first
+    got = torch.multinomial(torch.tensor([0.0, 1.0, 0.0]), 2, generator=gen())
+    assert got[0] == 1 and got[1] in (0, 2)
 
 
 @pytest.mark.parametrize("rate", [0.5, 5.0, 50.0, 500.0])

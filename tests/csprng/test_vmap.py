@@ -62,3 +62,58 @@ def test_batched_tensor_arguments_raise_a_clear_error():
 def test_outside_vmap_nothing_changes():
     a, b = csprng.create_generator(2), csprng.create_generator(2)
     assert torch.equal(torch.randn(5, generator=a), torch.randn(5, generator=b))
+
+
+# ---------------------------------------------------------------- modes of outer vmaps (review 2)
+def _gens():
+    return (torch.Generator().manual_seed(1), csprng.create_generator(1))
+
+
+@pytest.mark.parametrize("inner", ["grad", "jvp"])
+def test_randomness_of_a_vmap_around_another_transform(inner):
+    for g in _gens():
+        def f(x, g=g):
+            return (x * torch.rand(3, generator=g)).sum()
+
+        if inner == "grad":
+            fn = torch.func.grad(f)
+        else:
+            def fn(x, g=g):
+                return torch.func.jvp(lambda y: y * torch.rand(3, generator=g), (x,), (x,))[0]
+        diff = torch.vmap(fn, randomness="different")(torch.ones(B, 3))
+        same = torch.vmap(fn, randomness="same")(torch.ones(B, 3))
+        assert len({tuple(r.tolist()) for r in diff}) == B, type(g)
+        assert all(torch.equal(same[0], same[i]) for i in range(B)), type(g)
+        with pytest.raises(RuntimeError, match="randomness error mode"):
+            torch.vmap(fn, randomness="error")(torch.ones(B, 3))
+
+
+@pytest.mark.parametrize("transform", ["jacfwd", "hessian"])
+def test_jacfwd_and_hessian_around_a_draw_raise_like_torch(transform):
+    for g in _gens():
+        def f(x, g=g):
+            return (x * x * torch.rand(3, generator=g)).sum()
+
+        with pytest.raises(RuntimeError, match="randomness error mode"):
+            if transform == "jacfwd":
+                torch.func.jacfwd(lambda x, g=g: x * torch.rand(3, generator=g))(torch.ones(3))
+            else:
+                torch.func.hessian(f)(torch.ones(3))
+        same = torch.func.jacfwd(lambda x, g=g: x * torch.rand(3, generator=g),
+                                 randomness="same")(torch.ones(3))
+        assert same.shape == (3, 3)
+
+
+def test_nested_vmaps_different_at_both_levels():
+    for g in _gens():
+        inner = torch.vmap(lambda x, g=g: x + torch.rand(3, generator=g), randomness="different")
+        out = torch.vmap(inner, randomness="different")(torch.zeros(2, B, 3))
+        assert out.shape == (2, B, 3)
+        assert len({tuple(r.tolist()) for r in out.reshape(-1, 3)}) == 2 * B, type(g)
+        outer_same = torch.vmap(inner, randomness="same")(torch.zeros(2, B, 3))
+        assert torch.equal(outer_same[0], outer_same[1]), type(g)
+        assert len({tuple(r.tolist()) for r in outer_same[0]}) == B, type(g)
+        inner_same = torch.vmap(lambda x, g=g: x + torch.rand(3, generator=g), randomness="same")
+        outer_diff = torch.vmap(inner_same, randomness="different")(torch.zeros(2, B, 3))
+        assert not torch.equal(outer_diff[0, 0], outer_diff[1, 0]), type(g)
+        assert all(torch.equal(outer_diff[0, 0], outer_diff[0, i]) for i in range(B)), type(g)

@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -584,12 +585,15 @@ class NativeSampler:
         low, high = int(low), int(high)
         if high <= low:
             raise ValueError(f"random_: expected from < to, got from={low}, to={high}")
-        dmin, dmax = representable_range(dtype)
-        if low < dmin or high - 1 > dmax:
-            raise ValueError(
-                f"random_: range [{low}, {high}) does not fit dtype {dtype} "
-                f"(representable integers {dmin}..{dmax})"
-            )
+        if dtype in _MANTISSA_BITS:
+            _check_float_range(dtype, low, high)
+        else:
+            dmin, dmax = representable_range(dtype)
+            if low < dmin or high - 1 > dmax:
+                raise ValueError(
+                    f"random_: range [{low}, {high}) does not fit dtype {dtype} "
+                    f"(representable integers {dmin}..{dmax})"
+                )
         n = out.numel()
         r = high - low
         wide = r > 1 << 32
@@ -709,7 +713,8 @@ class NativeSampler:
         (:mod:`ember.csprng.shuffle`, stream layout version 3)."""
         _check_dtype("randperm", out.dtype, _INT_DTYPES + FLOAT_DTYPES)
         n = out.numel()
-        if n - 1 > representable_range(out.dtype)[1]:
+        # torch limits floats to their exact integers, except bfloat16 (whose values it rounds)
+        if out.dtype != torch.bfloat16 and n - 1 > representable_range(out.dtype)[1]:
             raise ValueError(f"randperm: n={n} is too large for dtype {out.dtype}")
         draw = self._draw(n * 8)
         if n == 0:
@@ -755,13 +760,9 @@ class NativeSampler:
         sums = pn.sum(axis=1)
         if (sums <= 0).any():
             raise ValueError("multinomial: every row must have a positive sum")
-        if not replacement:
-            if num_samples > k:
-                raise ValueError(f"multinomial: cannot take num_samples={num_samples} > "
-                                 f"{k} categories without replacement")
-            if ((pn > 0).sum(axis=1) < num_samples).any():
-                raise ValueError("multinomial: fewer non-zero categories than num_samples "
-                                 "without replacement")
+        if not replacement and num_samples > k:
+            raise ValueError(f"multinomial: cannot take num_samples={num_samples} > "
+                             f"{k} categories without replacement")
         nwords = rows * (num_samples if replacement else k)
         w = np.empty(nwords, "<u8")
         self._draw(nwords * 8).fill(memoryview(w.view(np.uint8)))
@@ -953,14 +954,32 @@ def _mul64(w: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=256)
 def _rounded(x: float, dtype: torch.dtype) -> float:
     """``x`` rounded to ``dtype``."""
-    return float(torch.tensor(x, dtype=dtype))
+    return float(torch.tensor(x, dtype=dtype, device="cpu"))
 
 
 @functools.lru_cache(maxsize=256)
 def _below(b: float, dtype: torch.dtype) -> float:
     """The largest value of ``dtype`` strictly below ``b``."""
-    t = torch.tensor(b, dtype=dtype)
-    return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype)))
+    t = torch.tensor(b, dtype=dtype, device="cpu")
+    return float(torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype, device="cpu")))
+
+
+def _check_float_range(dtype: torch.dtype, low: int, high: int) -> None:
+    """torch's rules for integers in ``[low, high)`` drawn into a float dtype: both ends within
+    its finite range, and a warning where they pass its exact integers (the values are the
+    integers drawn, rounded to the dtype)."""
+    info = torch.finfo(dtype)
+    for name, v in (("from", low), ("to - 1", high - 1)):
+        if not info.min <= v <= info.max:
+            raise ValueError(f"random_: {name} is out of bounds for {dtype}, got {v}")
+    digits = _MANTISSA_BITS[dtype]
+    for name, v in (("from", low), ("to - 1", high - 1)):
+        if not -(1 << digits) <= v <= 1 << digits:
+            warnings.warn(
+                f"{name} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision "
+                f"limitations {dtype} can support discrete uniform distribution only within this "
+                "range (ember.csprng draws the integers exactly and rounds them to the dtype, as "
+                "torch does)", UserWarning, stacklevel=4)
 
 
 @functools.cache

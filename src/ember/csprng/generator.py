@@ -202,7 +202,9 @@ class Generator:
 
     def spawn(self, n: int) -> list[Generator]:
         """``n`` new independent generators; each call returns different ones."""
-        n = int(n)
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
+            raise TypeError(f"spawn: n must be an int, got {type(n).__name__} {n!r}")
+        n = n.__index__()
         if n < 0:
             raise ValueError(f"spawn: n must be non-negative, got {n}")
         with self._lock:

@@ -68,6 +68,11 @@ def _refuse_datapipe_seeding(original_init: Any) -> Any:
 def install(originals: dict) -> None:
     """Replace the helpers; ``originals`` records (owner, name) -> original for uninstall."""
     init = torch.nn.init
+    from .torch_adapter import _EARLY_BOUND_CODES
+
+    # references to torch's sparse_ taken before this (`from torch.nn.init import sparse_`, and
+    # the deprecated `sparse` made from it) keep calling it: its normal_ call refuses ember
+    _EARLY_BOUND_CODES.add(_ORIGINAL_SPARSE.__code__)
     originals[(init, "sparse_")] = init.sparse_
     init.sparse_ = sparse_
     if hasattr(init, "sparse"):  # the deprecated alias calls the function it was made from

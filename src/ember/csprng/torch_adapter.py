@@ -10,6 +10,7 @@ ember generator instead of drawing from its inherited Mersenne Twister state.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +43,11 @@ class UnsupportedDtype(NotImplementedError, TypeError):
     TypeError)."""
 
 
+class UnsupportedLayout(NotImplementedError, TypeError):
+    """A tensor layout the draws do not fill (sparse, ...): torch raises NotImplementedError (also
+    a TypeError)."""
+
+
 def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """``impl(*args, **kwargs)``, with ember's ValueErrors raised as torch raises them."""
     try:
@@ -58,12 +64,27 @@ _FLOAT_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_
 _UINTS = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
 # methods torch refuses for complex tensors, and the error type it raises
 _REAL_ONLY = {"bernoulli_": "UnsupportedDtype", "geometric_": "UnsupportedDtype",
-              "exponential_": "InvalidArgument", "cauchy_": "InvalidArgument"}
+              "log_normal_": "UnsupportedDtype", "exponential_": "InvalidArgument",
+              "cauchy_": "InvalidArgument"}
+
+
+_RANDPERM_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                   torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
-    if method in _FLOAT_METHODS and not (t.is_floating_point() or t.is_complex()):
+    if str(t.dtype).startswith(("torch.float8", "torch.float4")):
         raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
+    if method == "randperm_" and t.dtype not in _RANDPERM_DTYPES:
+        raise UnsupportedDtype(f"randperm: not implemented for {t.dtype} (torch raises too)")
+    if method in _FLOAT_METHODS and not (t.is_floating_point() or t.is_complex()):
+        if method in ("exponential_", "cauchy_"):  # torch raises RuntimeError for these two
+            raise InvalidArgument(f"{method}: the distribution is continuous; the dtype must be "
+                                  f"floating-point, got {t.dtype}")
+        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
+    if method == "geometric_" and params and _is_number(params[0]) and not (
+            0.0 < float(params[0]) < 1.0):
+        raise InvalidArgument(f"geometric_ expects p to be in (0, 1), but got p={params[0]}")
     if method in ("random_", "bernoulli_", "geometric_") and t.dtype in _UINTS:
         raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
     if method in _REAL_ONLY and t.is_complex():
@@ -74,8 +95,35 @@ def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
             raise UnsupportedDtype(f"random_: not implemented for {t.dtype}")
         raise InvalidArgument("random_ with bounds handles only integral, floating-point and "
                               f"boolean types, got {t.dtype}")
+    if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor) and not (
+            params[0].is_floating_point() or params[0].is_complex()):
+        raise UnsupportedDtype(f"bernoulli_: not implemented for p of dtype {params[0].dtype} "
+                               "(torch raises too)")
+    if method == "uniform_" and t.is_floating_point() and len(params) == 2:
+        _check_uniform_bounds(t.dtype, *params)
     if method in ("normal_", "log_normal_") and len(params) == 2 and _isnan(params[1]):
         raise InvalidArgument(f"{method} expects std >= 0.0, but found std nan")
+
+
+def _check_uniform_bounds(dtype: torch.dtype, low: Any, high: Any) -> None:
+    """torch's checks of uniform_'s bounds: each within the dtype's finite range, and the width
+    too (else the values would be inf)."""
+    try:
+        low, high = float(low), float(high)
+    except (TypeError, ValueError):
+        return  # the sampler refuses it with the argument named
+    info = torch.finfo(dtype)
+    for name, v in (("from", low), ("to", high)):
+        if v < info.min or v > info.max:
+            raise InvalidArgument(f"uniform_: {name} is out of bounds for {dtype}, got {name}={v} "
+                                  f"(finite range {info.min}..{info.max})")
+    if high - low > info.max:
+        raise InvalidArgument(f"uniform_ expects to-from <= {info.max} (the largest {dtype}), but "
+                              f"found to={high} and from={low}, which exceed it")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _isnan(x: Any) -> bool:
@@ -102,12 +150,14 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{method}: only strided tensors are supported, got {t.layout}")
+    if t.layout != torch.strided:  # torch has no random kernels for other layouts either
+        raise UnsupportedLayout(f"{method}: only strided tensors are supported, got {t.layout}")
     if not fresh and t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation.")
     _check_dtype(t, method, params)
+    if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
+        return t
     sampler = generator.sampler()
     if _functorch.is_functorch_wrapped_tensor(t):
         # inside torch.func.grad/jvp/...: the wrapper has no storage; draw into a plain tensor
@@ -134,10 +184,18 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
         if not fresh and t.numel():
             _bump_version(t)
         return t
-    tmp = torch.empty(t.shape, dtype=t.dtype)
+    tmp = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     getattr(sampler, method)(tmp, *params)
     t.copy_(tmp)
     return t
+
+
+def _abstract(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a meta tensor or a FakeTensor (shapes only, no values)."""
+    if t.is_meta:
+        return True
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(t, fake.FakeTensor)
 
 
 def _complex_params(method: str, params: tuple) -> tuple:
@@ -205,9 +263,12 @@ def _finish(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _new_like(input: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, bool, bool]:
     kwargs.pop("generator", None)
+    if input.layout != torch.strided and kwargs.get("layout") in (None, input.layout):
+        raise UnsupportedLayout(f"only strided tensors are supported, got {input.layout}")
     requires_grad = bool(kwargs.pop("requires_grad", False))
     t = torch.empty_like(input, dtype=kwargs.pop("dtype", None), layout=kwargs.pop("layout", None),
                          device=kwargs.pop("device", None),
+                         pin_memory=bool(kwargs.pop("pin_memory", False)),
                          memory_format=kwargs.pop("memory_format", torch.preserve_format))
     if kwargs:
         raise TypeError(f"unexpected keyword arguments: {sorted(kwargs)}")
@@ -228,14 +289,31 @@ def _pick(args: Sequence[Any], kwargs: dict, names: Sequence[str], defaults: Seq
 
 
 # ---------------------------------------------------------------------- factories
+def _check_resizable_out(kwargs: dict) -> None:
+    # torch's rand/randn resize out= first, which refuses a tensor that requires grad
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor) and out.requires_grad and (
+            out.is_leaf or torch.is_grad_enabled()):
+        raise RuntimeError("cannot resize variables that require grad")
+
+
+def _check_size_given(name: str, args: Sequence[Any], kwargs: dict) -> None:
+    if not args and "size" not in kwargs:
+        raise TypeError(f'{name}() missing 1 required positional arguments: "size"')
+
+
 def _rand(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    _check_size_given("rand", args, kwargs)
+    _check_resizable_out(kwargs)
     t, rg, fresh = _new(_size(args, kwargs), kwargs)
     return _finish(fill_(t, g, "uniform_", 0.0, 1.0, fresh=fresh), rg)
 
 
 def _randn(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    _check_size_given("randn", args, kwargs)
+    _check_resizable_out(kwargs)
     t, rg, fresh = _new(_size(args, kwargs), kwargs)
     return _finish(fill_(t, g, "normal_", 0.0, 1.0, fresh=fresh), rg)
 
@@ -272,6 +350,10 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
     if "size" not in kwargs:
         raise TypeError('randint() missing 1 required positional argument: "size"')
     low, high = _int_arg(low, "randint(): low"), _int_arg(high, "randint(): high")
+    for v in (low, high):
+        if not -(1 << 63) <= v < 1 << 63:
+            raise InvalidArgument(f"randint: bound {v} overflows int64 (torch's parser takes "
+                                  "int64 bounds)")
     if low >= high:
         raise InvalidArgument(f"random_ expects 'from' to be less than 'to', but got "
                               f"from={low} >= to={high}")
@@ -313,6 +395,8 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
         size = args[2] if len(args) >= 3 else kwargs.pop("size")
         if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
             raise TypeError("normal(mean, std, size) takes float mean and std")
+        if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
+            kwargs["device"] = "cpu"
         t, rg, fresh = _new(_size((size,), {}), kwargs)
         return _finish(fill_(t, g, "normal_", float(mean), float(std), fresh=fresh), rg)
     mean, std = _pick(args, {k: kwargs.pop(k) for k in ("mean", "std") if k in kwargs},
@@ -324,13 +408,27 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     mt, st = isinstance(mean, torch.Tensor), isinstance(std, torch.Tensor)
     if not (mt or st):
         raise TypeError("normal(mean, std) with float mean and std needs a size")
-    if st and bool(((std < 0) | std.isnan()).any()):
+    abstract = any(isinstance(x, torch.Tensor) and _abstract(x) for x in (mean, std))
+    if st and not abstract and bool(((std < 0) | std.isnan()).any()):
         raise RuntimeError("normal expects all elements of std >= 0.0")
     if not st and not float(std) >= 0:
         raise RuntimeError(f"normal expects std >= 0.0, but found std {float(std)}")
     ref = mean if mt else std
+    if not (ref.is_floating_point() or ref.is_complex()):  # torch draws into mean's dtype first
+        raise UnsupportedDtype(f"normal: not implemented for {ref.dtype} "
+                               f"{'mean' if mt else 'std'} (torch raises too)")
+    if out is not None:
+        if not (out.is_floating_point() or out.is_complex()):
+            raise UnsupportedDtype(f"normal: not implemented for out= of dtype {out.dtype}")
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                           for x in (mean, std)):
+            raise RuntimeError("normal(): functions with out=... arguments don't support "
+                               "automatic differentiation, but one of the arguments requires "
+                               "grad.")
     shape = torch.broadcast_shapes(mean.shape if mt else (), std.shape if st else ())
-    dtype = torch.result_type(mean, std) if (mt and st) else ref.dtype
+    # torch draws into the output (out=, else a tensor of mean's dtype, or std's for a float
+    # mean) and scales and shifts it in place: the output keeps that dtype
+    dtype = out.dtype if out is not None else ref.dtype
     # the tensor overloads draw standard normals, then scale and shift them
     z = fill_(torch.empty(shape, dtype=dtype, device=ref.device), g, "normal_", 0.0, 1.0)
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
@@ -338,6 +436,7 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
         res = _ScaleShift.apply(z, std, mean)  # torch defines zero gradients for mean and std
     else:
         res = z * std + mean
+    res = res.to(dtype)
     if out is not None:
         out.resize_(res.shape).copy_(res)
         return out
@@ -368,9 +467,45 @@ def _bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     out = kwargs.pop("out", None)
     (p,) = _pick(args, kwargs, ("p",), (None,))
+    if isinstance(p, torch.Tensor):
+        raise TypeError("bernoulli(): p must be a float (torch has no bernoulli(input, Tensor p)"
+                        "; use input.bernoulli_(p))")
+    if p is None and not (input.is_floating_point() or input.is_complex()):
+        raise UnsupportedDtype(f"bernoulli: not implemented for p of dtype {input.dtype} "
+                               "(torch raises too)")
     t = out.resize_(input.shape) if out is not None else torch.empty_like(
         input, memory_format=torch.contiguous_format)
-    return fill_(t, g, "bernoulli_", input if p is None else p)
+    res = fill_(t, g, "bernoulli_", input if p is None else p)
+    if out is None:
+        res = _no_gradient(res, input, "bernoulli" if p is None else None)
+    return res
+
+
+def _no_gradient(res: torch.Tensor, input: torch.Tensor, name: str | None) -> torch.Tensor:
+    """``res`` (drawn from ``input``) as torch returns it when ``input`` requires grad: requiring
+    grad too, with torch's zero gradient (or, ``name`` None, a backward that raises as torch's)."""
+    if not (input.requires_grad and torch.is_grad_enabled() and res.is_floating_point()):
+        return res
+    return _ZeroGradient.apply(res, input, name)
+
+
+class _ZeroGradient(torch.autograd.Function):
+    """The identity on a draw, whose gradient to the tensor it was drawn from is zero."""
+
+    @staticmethod
+    def forward(res: torch.Tensor, input: torch.Tensor, name: str | None) -> torch.Tensor:
+        return res.view_as(res)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        _, input, ctx.name = inputs
+        ctx.like = (input.shape, input.dtype, input.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.name is None:
+            raise RuntimeError("derivative for aten::bernoulli is not implemented")
+        return None, torch.zeros(ctx.like[0], dtype=ctx.like[1], device=ctx.like[2]), None
 
 
 def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -380,6 +515,19 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
+    if not input.is_floating_point():
+        raise InvalidArgument(f"multinomial only supports floating-point dtypes for input, got: "
+                              f"{input.dtype}")
+    if input.dim() in (1, 2) and input.shape[-1] > 1 << 24:
+        raise InvalidArgument("multinomial: number of categories cannot exceed 2^24, got "
+                              f"{input.shape[-1]}")
+    if out is not None and out.dtype != torch.int64:
+        raise InvalidArgument(f"multinomial expects Long tensor out, got: {out.dtype}")
+    if _abstract(input):  # shapes only: nothing to draw
+        if input.dim() not in (1, 2):
+            raise InvalidArgument(f"multinomial: prob_dist must be 1 or 2 dim, got {input.dim()}")
+        res = torch.empty((*input.shape[:-1], num_samples), dtype=torch.int64, device=input.device)
+        return out.resize_(res.shape) if out is not None else res
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
         res = g.sampler().multinomial(_unwrapped(input), num_samples, bool(replacement))
     res = res.to(input.device)
@@ -390,9 +538,13 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
+    if not input.is_floating_point():
+        raise UnsupportedDtype(f"poisson: not implemented for {input.dtype} (torch raises too)")
+    if _abstract(input):  # shapes only: nothing to draw
+        return torch.empty_like(input)
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
         res = generator.sampler().poisson(_unwrapped(input))
-    return res.to(input.device)
+    return _no_gradient(res.to(input.device), input, "poisson")
 
 
 def _unwrapped(t: torch.Tensor) -> torch.Tensor:
@@ -415,8 +567,36 @@ def _unsupported(name: str) -> Callable[..., Any]:
 def _scalar_method(method: str, names: tuple[str, ...], defaults: tuple[Any, ...]):
     def impl(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         g = kwargs["generator"]
-        return fill_(self, g, method, *_pick(args, kwargs, names, defaults))
+        params = _pick(args, kwargs, names, defaults)
+        for name, v in zip(names, params, strict=True):
+            if isinstance(v, (str, bytes)):  # float() would parse it; torch's parser refuses
+                raise TypeError(f"{method}(): argument '{name}' must be float, not "
+                                f"{type(v).__name__}")
+        return fill_(self, g, method, *params)
     return impl
+
+
+def _normal_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # torch's own nn.init.sparse_ (held by code that bound it before ember was imported) draws
+    # its values with this call and its zero pattern from the global Mersenne Twister next:
+    # refuse it here, before anything is drawn
+    frame = sys._getframe(1)
+    for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
+        if frame is None:
+            break
+        if frame.f_code in _EARLY_BOUND_CODES:
+            raise TypeError(
+                "torch.nn.init.sparse_ bound before `import ember.csprng` (e.g. `from "
+                "torch.nn.init import sparse_`) draws its zero pattern from torch's global "
+                "Mersenne Twister, not from the ember generator; import ember.csprng first or "
+                "call torch.nn.init.sparse_ through the module")
+        frame = frame.f_back
+    return _normal_impl(self, *args, **kwargs)
+
+
+_normal_impl = _scalar_method("normal_", ("mean", "std"), (0.0, 1.0))
+# code objects of torch functions that are unsafe with an ember generator when called directly
+_EARLY_BOUND_CODES: set[Any] = set()
 
 
 def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -427,6 +607,10 @@ def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if high is None and len(args) == 1 and "from" not in kwargs:
         low, high = 0, low  # random_(to)
     low = 0 if low is None else _int_arg(low, "random_(): argument 'from'")
+    for v in (low, high):
+        if isinstance(v, int) and not -(1 << 63) <= v < 1 << 63:
+            raise InvalidArgument(f"random_: bound {v} overflows int64 (torch's parser takes "
+                                  "int64 bounds)")
     if high is None:
         from .distributions import representable_range
 
@@ -457,7 +641,7 @@ _TORCH = {
 }
 _TENSOR = {
     "uniform_": _scalar_method("uniform_", ("from", "to"), (0.0, 1.0)),
-    "normal_": _scalar_method("normal_", ("mean", "std"), (0.0, 1.0)),
+    "normal_": _normal_,
     "log_normal_": _scalar_method("log_normal_", ("mean", "std"), (1.0, 2.0)),
     "exponential_": _scalar_method("exponential_", ("lambd",), (1.0,)),
     "cauchy_": _scalar_method("cauchy_", ("median", "sigma"), (0.0, 1.0)),
@@ -512,6 +696,13 @@ def install() -> None:
     """Route torch's random functions to ember for ember generators (idempotent)."""
     if _ORIGINALS:
         return
+    # torch.device(...) as a context manager (and set_default_device) puts the factories that
+    # it finds in this set on its device; it is built from torch.rand & co. on first use, so
+    # build it now, from torch's own functions, and add the wrappers below
+    from torch.utils import _device
+
+    known = getattr(_device, "_device_constructors", None)
+    base = known() if known is not None else None
     for name, impl in _TORCH.items():
         original = getattr(torch, name, None)
         if original is None:
@@ -524,6 +715,10 @@ def install() -> None:
         original = getattr(torch.Tensor, name)
         _ORIGINALS[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _INHERITED)
         setattr(torch.Tensor, name, _wrap(original, impl))
+    if isinstance(base, set):  # the cached set itself: torch.compile keeps tracing torch's function
+        _DEVICE_WRAPPERS.update(getattr(torch, n) for (m, n), o in _ORIGINALS.items()
+                                if m is torch and o in base)
+        base.update(_DEVICE_WRAPPERS)
     from . import python_paths
 
     python_paths.install(_ORIGINALS)
@@ -556,36 +751,79 @@ _VMAP_ERROR = ("vmap: called random operation while in randomness error mode. Pl
                "operation out of vmap")
 
 
+def _interpreters() -> list[Any]:
+    """torch.func's interpreters on the stack, outermost first."""
+    from torch._functorch import pyfunctorch
+
+    every = getattr(pyfunctorch, "retrieve_all_functorch_interpreters", None)
+    interps = every() if every is not None else [
+        pyfunctorch.retrieve_current_functorch_interpreter()]
+    return sorted(interps, key=lambda i: i.level())
+
+
+def _vmap_key() -> Any:
+    from torch._functorch.pyfunctorch import TransformType
+
+    return TransformType.Vmap
+
+
+def _batched_anywhere(t: torch.Tensor) -> bool:
+    """Whether ``t`` is batched by a vmap at some level, under any other torch.func wrappers."""
+    while True:
+        if _functorch.is_batchedtensor(t):
+            return True
+        if not _functorch.is_functorch_wrapped_tensor(t):
+            return False
+        t = _functorch.get_unwrapped(t)
+
+
 def _under_transform(name: str, impl: Callable[..., Any], args: Any, kwargs: dict) -> Any:
-    """A draw inside a torch.func transform: vmap's randomness modes, as torch's generator has them.
+    """A draw inside torch.func transforms: vmap's randomness modes, as torch's generator has them.
 
-    ``"error"`` raises as torch does; ``"same"`` draws once for all batch elements; ``"different"``
-    draws one independent result per batch element (of the innermost vmap) and batches them.
-    Draws that take batched tensors, and in-place draws with ``"different"``, raise.
+    Every vmap on the stack counts, not only the innermost (``vmap(grad(f))``, ``jacfwd`` and
+    ``hessian`` are vmaps around other transforms): ``"error"`` at any level raises as torch does;
+    ``"same"`` shares the draw across that vmap's batch; ``"different"`` draws one independent
+    result per batch element of every such vmap and batches them at their levels. Draws that take
+    batched tensors, and in-place draws with ``"different"``, raise.
     """
-    from torch._functorch.pyfunctorch import TransformType, retrieve_current_functorch_interpreter
-
-    interp = retrieve_current_functorch_interpreter()
-    if interp.key() != TransformType.Vmap:
+    interps = _interpreters()
+    vmaps = [i for i in interps if i.key() == _vmap_key()]
+    if not vmaps:
         return _call(impl, args, kwargs)
-    randomness = interp.randomness()
-    if randomness == "error":
+    if any(v.randomness() == "error" for v in vmaps):
         raise RuntimeError(_VMAP_ERROR)
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if any(_functorch.is_batchedtensor(t) for t in tensors):
+    if any(_batched_anywhere(t) for t in tensors):
         raise RuntimeError(
             f"ember.csprng: {name} with a batched tensor argument inside torch.vmap is not "
             "supported; draw with factory functions (torch.rand/randn/randint/randperm/normal "
             "with a size) inside vmap, or draw outside it")
-    if randomness == "same":
+    different = [v for v in vmaps if v.randomness() == "different"]
+    if not different:
         return _call(impl, args, kwargs)
     if name.endswith("_") or "out" in kwargs:
         raise RuntimeError(
             "vmap: Cannot ask for different inplace randomness on an unbatched tensor. This "
             "will appear like same randomness. If this is necessary for your usage, please file "
             f"an issue with functorch. (ember.csprng: {name})")
-    draws = [_call(impl, args, dict(kwargs)) for _ in range(interp.batch_size())]
-    return _functorch._add_batch_dim(torch.stack(draws), 0, interp.level())
+    sizes = [v.batch_size() for v in different]
+    count = math.prod(sizes)
+    # plain tensors (the values of any unbatched tensor arguments: a draw does not differentiate
+    # them); the levels are added below, in order
+    args = tuple(_unwrapped(a) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: _unwrapped(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with torch._C._DisableFuncTorch():
+        draws = torch.stack([_call(impl, args, dict(kwargs)) for _ in range(count)])
+        draws = draws.reshape(*sizes, *draws.shape[1:])
+    batched = False
+    for i in interps:  # outermost first: each level's wrapper holds the inner ones' dims
+        if i.key() == _vmap_key():
+            if i.randomness() == "different":
+                draws = _functorch._add_batch_dim(draws, 0, i.level())
+                batched = True
+        elif batched:  # grad/jvp inside a batching vmap: what its ops return is wrapped for it
+            draws = _functorch._wrap_for_grad(draws, i.level())
+    return draws
 
 
 try:
@@ -609,8 +847,17 @@ def _eager(impl: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return impl(*args, **kwargs)
 
 
+_DEVICE_WRAPPERS: set[Any] = set()
+
+
 def uninstall() -> None:
     """Restore torch's original functions."""
+    from torch.utils import _device
+
+    known = getattr(_device, "_device_constructors", None)
+    if known is not None and _DEVICE_WRAPPERS:
+        known().difference_update(_DEVICE_WRAPPERS)
+        _DEVICE_WRAPPERS.clear()
     for (owner, name), original in _ORIGINALS.items():
         if original is _INHERITED:
             delattr(owner, name)
