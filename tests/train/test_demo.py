@@ -255,7 +255,7 @@ def test_reading_compares_a_winning_baseline_with_the_best_averaging_method():
     clear = dict(_BASE, SWA=(0.900, 0.005), SWAG=(0.890, 0.005))
     p = _paragraph(_table(clear))
     assert "the best weight-averaging method, SWA, had 0.900±0.005" in p
-    assert "a plain SGD baseline (SGD (cosine LR)) beat the best weight-averaging method (SWA) " \
+    assert "A plain SGD baseline (SGD (cosine LR)) beat the best weight-averaging method (SWA) " \
            "on accuracy by more than the seed spread" in p
 
 

@@ -99,6 +99,10 @@ def _sentence(table: dict[str, dict[str, Any]], metric: str) -> tuple[str, str]:
     return head, _meaning(best, rival, clear, tie, metric)
 
 
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _pooled_sentence(table: dict[str, dict[str, Any]]) -> str:
     """MultiSWAG against the SGD ensemble: the same training runs, one pooled model each."""
     parts = []
@@ -130,8 +134,8 @@ def results_reading(results: dict[str, dict[str, dict[str, Any]]], n_seeds: int)
         table = results[test_set]
         acc, acc_meaning = _sentence(table, "accuracy")
         nll, nll_meaning = _sentence(table, "nll")
-        out.append(f"On {test_set} test images, {acc}. {nll[0].upper() + nll[1:]}. For a user: "
-                   f"{acc_meaning} {nll_meaning} {_pooled_sentence(table)}")
+        out.append(f"On {test_set} test images, {acc}. {_cap(nll)}. For a user: "
+                   f"{_cap(acc_meaning)} {_cap(nll_meaning)} {_pooled_sentence(table)}")
     return out
 
 
