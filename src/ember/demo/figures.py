@@ -30,7 +30,7 @@ def _plot_reliability(probs: dict[str, dict[str, torch.Tensor]], labels: torch.T
         ax.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1)
         for j, method in enumerate(METHODS):
             p = probs[method][test_set]
-            y = labels.repeat(len(p) // len(labels))  # seeds pooled (MultiSWAG: one model)
+            y = labels.repeat(len(p) // len(labels))  # seeds pooled (pooled methods: one model)
             bins = calibration_bins(p, y, 20, "mass")
             ece = expected_calibration_error(p, y, 20, "mass")
             ax.plot(bins.confidence.numpy(), bins.accuracy.numpy(), marker="o", markersize=3,
@@ -75,8 +75,8 @@ def _plot_curves(histories: dict[str, list[list[dict]]], swa_start: int, stopped
         for key, ax in (("train_loss", ax1), ("eval_accuracy", ax2)):
             values = torch.tensor([[r[key] for r in h[:n]] for h in runs], dtype=torch.float64)
             ax.plot(epochs, values.mean(0).numpy(), color=f"C{j}", label=name)
-    for k, epoch in enumerate(stopped):
-        ax2.axvline(epoch + 1, color="C2", linestyle=":", linewidth=1,
+    for k, epoch in enumerate(stopped):  # 1-based
+        ax2.axvline(epoch, color="C2", linestyle=":", linewidth=1,
                     label="epoch kept by early stopping" if k == 0 else None)
     ax1.set_title("training loss (on the noisy labels)")
     ax2.set_title("clean test accuracy of the SGD iterate")

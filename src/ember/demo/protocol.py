@@ -22,9 +22,14 @@ __all__ = ["DemoSettings", "PROTOCOL", "shifted_test_sets", "write_digits_shards
 
 DEFAULT_OUT = Path("ember-demo-out")
 TEST_SETS = ("clean", "pixel noise", "rotation")
-METHODS = ("SGD (cosine LR)", "SGD (early-stopped)", "SGD (SWA run, final iterate)", "SWA", "SWAG",
-           "MultiSWAG")
+# one model per seed (mean ± std over seeds)
+SINGLE_METHODS = ("SGD (cosine LR)", "SGD (early-stopped)", "SGD (SWA run, final iterate)", "SWA",
+                  "SWAG")
+# one model pooled from every seed's run: compared with each other at the same compute
+POOLED_METHODS = ("SGD ensemble", "MultiSWAG")
+METHODS = SINGLE_METHODS + POOLED_METHODS
 BASELINES = ("SGD (cosine LR)", "SGD (early-stopped)")  # the strongest simple baselines
+AVERAGING = ("SWA", "SWAG")  # the weight-averaging methods a winning baseline is compared with
 
 # The experiment, fixed in advance (docs/train.md states the same). Sizes that --quick reduces are
 # in DemoSettings; everything else is here.
@@ -62,9 +67,13 @@ PROTOCOL: dict[str, Any] = {
             "BatchNorm recomputed for every sample, class probabilities averaged",
     "swag_scale": 0.5,
     "multiswag": "the SWAGs of all seeds pooled: 30 samples from each",
+    "sgd_ensemble": "the cosine-SGD models of all seeds, softmax outputs averaged: MultiSWAG's "
+                    "baseline at the same compute (one training run per seed each)",
     "seeds": "training seeds 0, 1, 2 (initialisation and ember.csprng data shuffle); mean and "
-             "sample std over seeds (MultiSWAG is one pooled model: no std)",
-    "metrics": "accuracy, NLL (mean), ECE (20 equal-mass bins) on each test set",
+             "sample std over seeds (the SGD ensemble and MultiSWAG are one pooled model each: "
+             "no std)",
+    "metrics": "accuracy, NLL (mean), ECE (20 equal-mass bins) and mean confidence (top-class "
+               "probability) on each test set",
     "dp": "DP-SGD with Opacus on clean labels: MLP without BatchNorm, noise multiplier 1.0, "
           "per-example clip 1.0, Poisson sampling at rate 64/N, delta 1e-5; secure_mode=True "
           "(ember.csprng as Opacus's secure RNG) timed against secure_mode=False in this run",
@@ -87,6 +96,20 @@ class DemoSettings:
     def quick(cls) -> DemoSettings:
         return cls(epochs=5, seeds=(0, 1), swag_rank=2, swag_samples=3, dp_epochs=1,
                    bench_mib=1, bench_passes=1)
+
+    def protocol(self) -> dict[str, Any]:
+        """``PROTOCOL`` with the sizes of these settings (``PROTOCOL`` states the default run)."""
+        seeds = ", ".join(str(s) for s in self.seeds)
+        out = dict(PROTOCOL)
+        out["swag"] = (f"SWAG from the SWA run: rank {self.swag_rank} (the last {self.swag_rank} "
+                       "of the deviations collected every 20 steps), scale 0.5, "
+                       f"{self.swag_samples} samples, BatchNorm recomputed for every sample, "
+                       "class probabilities averaged")
+        out["multiswag"] = f"the SWAGs of all seeds pooled: {self.swag_samples} samples from each"
+        out["seeds"] = PROTOCOL["seeds"].replace("0, 1, 2", seeds)
+        out["epochs"] = (f"{self.epochs} epochs per run (SWA from epoch {self.swa_start + 1}, "
+                         "1-based); DP-SGD " + f"{self.dp_epochs} epochs")
+        return out
 
     @property
     def swa_start(self) -> int:
@@ -294,7 +317,8 @@ def _metrics(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     from ember.swa import accuracy, expected_calibration_error, nll
 
     return {"accuracy": accuracy(probs, labels), "nll": nll(probs, labels),
-            "ece": expected_calibration_error(probs, labels, 20, "mass")}
+            "ece": expected_calibration_error(probs, labels, 20, "mass"),
+            "confidence": float(probs.max(-1).values.double().mean())}
 
 
 def _split(probs: torch.Tensor, n: int) -> dict[str, torch.Tensor]:

@@ -44,9 +44,10 @@ def _format_speed(csprng_rows: list[dict], shard_rows: list[dict]) -> str:
 
 def _format_protocol(settings: DemoSettings) -> str:
     keys = ("data", "label_noise", "model", "optimizer", "baseline", "early_stopping", "swa", "swag",
-            "multiswag", "seeds", "metrics", "dp")
-    lines = ["Pre-specified protocol (fixed before any result was seen):"]
-    lines += [f"  {k}: {PROTOCOL[k]}" for k in keys]
+            "multiswag", "sgd_ensemble", "seeds", "epochs", "metrics", "dp")
+    protocol = settings.protocol()
+    lines = ["Pre-specified protocol (fixed before any result was seen; sizes of this run):"]
+    lines += [f"  {k}: {protocol[k]}" for k in keys]
     lines += [f"  test sets: {'; '.join(f'{k}: {v}' for k, v in PROTOCOL['test_sets'].items())}",
               f"  this run: {settings.epochs} epochs (SWA from epoch {settings.swa_start + 1}), "
               f"seeds {list(settings.seeds)}, SWAG rank {settings.swag_rank}, "
@@ -77,7 +78,7 @@ def _write_report(path: Path, payload: dict[str, Any], figures: dict[str, Path],
     rows = [[t, m, _fmt(res[t][m]["accuracy"]), _fmt(res[t][m]["nll"]), _fmt(res[t][m]["ece"])]
             for t in TEST_SETS for m in METHODS]
     protocol = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>"
-                       for k, v in PROTOCOL.items() if isinstance(v, str))
+                       for k, v in settings.protocol().items() if isinstance(v, str))
     protocol += "".join(f"<li><b>test set {html.escape(k)}</b>: {html.escape(v)}</li>"
                         for k, v in PROTOCOL["test_sets"].items())
     subsystems = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>"

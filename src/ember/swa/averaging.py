@@ -26,6 +26,7 @@ from torch.optim.swa_utils import (
     get_swa_avg_fn,
     get_swa_multi_avg_fn,
 )
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from ember.swa._batches import strip_compile_prefix, unwrap_compiled
 
@@ -81,6 +82,40 @@ def _stamp(t: Tensor) -> tuple[int, int]:
     return t._version, t.data_ptr()
 
 
+def _wrapper_prefix(model: nn.Module) -> str:
+    """The name prefix the ``torch.compile``/DDP/``DataParallel`` wrappers around ``model`` add
+    (``"_orig_mod."``, ``"module."``, nested), i.e. what :func:`unwrap_compiled` removes."""
+    prefix = ""
+    while model is not unwrap_compiled(model):
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            prefix += "_orig_mod."
+            model = model._orig_mod
+        else:
+            prefix += "module."
+            model = model.module
+    return prefix
+
+
+def _safe_stamp(t: Tensor) -> tuple[int, int] | None:
+    try:
+        return _stamp(t)
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _add_wrapper_prefix(module: _Averager, state_dict: dict[str, Any], prefix: str,
+                        local_metadata: Any) -> None:
+    """State-dict hook: name the copy's tensors as torch's deep copy of the wrapper does."""
+    if not module._prefix:
+        return
+    plain = f"{prefix}module."
+    renamed = {k: (plain + module._prefix + k[len(plain):] if k.startswith(plain) else k)
+               for k in state_dict}
+    items = [(renamed[k], v) for k, v in state_dict.items()]
+    state_dict.clear()
+    state_dict.update(items)
+
+
 def _remove_low_precision_hooks(module: nn.Module) -> None:
     """Drop the hooks of :func:`ember.swa.quantize_activations_` from a deep copy: an averaged
     model is evaluated in full precision (as SWALP's reference does)."""
@@ -113,23 +148,28 @@ class _Averager(nn.Module):
         for name, fn in (("avg_fn", avg_fn), ("multi_avg_fn", multi_avg_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+        # the state dict carries the wrapper's names (torch deep-copies the wrapper) while the copy
+        # is the plain module: its state dict loads into an unwrapped model, no DDP is copied
+        self._prefix = ""
         if target is None:
+            self._prefix = _wrapper_prefix(model)
             target = copy.deepcopy(unwrap_compiled(model))
             _remove_low_precision_hooks(target)
         if device is not None:
             target.to(device)
-        for p in target.parameters():
-            p.requires_grad_(False)
         self.module = target
         self.avg_fn = avg_fn
         self.multi_avg_fn = multi_avg_fn
         self.use_buffers = use_buffers
         self.foreach = foreach
         self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=device))
-        self._count = 0  # n_averaged as a Python int: reading the buffer would sync a device
+        # n_averaged as a Python int with the buffer's stamp when read: reading the buffer on every
+        # update would sync a device; the buffer stays the truth (zero_(), loads, .to() re-read it)
+        self._count: tuple[int, Tensor, tuple[int, int]] | None = None
         # float32 copies of the average for tensors the copy holds in float16/bfloat16 (by name):
         # (master, the copy's tensor, its version and storage after our last write)
         self._masters: dict[str, tuple[Tensor, Tensor, int, int]] = {}
+        self._register_state_dict_hook(_add_wrapper_prefix)
         self._pairs(model)  # fail at construction on a mismatched target
         with torch.no_grad():
             for _, dst, src, _ in self._pairs(model):
@@ -147,34 +187,42 @@ class _Averager(nn.Module):
 
     @property
     def n_updates(self) -> int:
-        """Number of updates so far (ember's older name of ``n_averaged``, as an int)."""
-        return self._count
+        """Number of updates so far: ``n_averaged`` as an int (ember's older name)."""
+        buf = self.n_averaged
+        held = self._count
+        stamp = _safe_stamp(buf)
+        if held is not None and held[1] is buf and stamp is not None and held[2] == stamp:
+            return held[0]
+        value = int(buf)
+        self._count = (value, buf, stamp) if stamp is not None else None
+        return value
 
     @n_updates.setter
     def n_updates(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"n_updates must be an integer >= 0, got {value!r}")
-        self._count = value
         self.n_averaged.fill_(value)
 
-    def _load_count(self) -> None:
-        self._count = int(self.n_averaged)
+    def _count_up(self, count: int) -> None:
+        self.n_averaged.add_(1)
+        stamp = _safe_stamp(self.n_averaged)
+        self._count = (count + 1, self.n_averaged, stamp) if stamp is not None else None
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> Any:
-        """Load :meth:`state_dict`'s output, that of a ``torch.optim.swa_utils.AveragedModel``
-        of the same architecture, or ember's older layout ``{"n_updates", "module"}``."""
-        state = dict(state_dict)
-        if "n_averaged" not in state and "n_updates" in state \
-                and isinstance(state.get("module"), Mapping):
-            state = {"n_averaged": torch.tensor(int(state["n_updates"]), dtype=torch.long),
-                     **{f"module.{k}": v for k, v in state["module"].items()}}
-        if "n_averaged" not in state:
-            raise KeyError("state dict lacks 'n_averaged'; expected the output of state_dict() "
-                           "(ember's or torch.optim.swa_utils.AveragedModel's)")
-        out = super().load_state_dict(state, strict=strict, assign=assign)
-        self._load_count()
-        return out
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # accepts torch's layout with or without the wrapper's names (module._orig_mod.*, ...)
+        # and ember's older {"n_updates", "module"}; a parent's load_state_dict calls this too
+        if prefix + "n_averaged" not in state_dict and prefix + "n_updates" in state_dict \
+                and isinstance(state_dict.get(prefix + "module"), Mapping):
+            inner = state_dict.pop(prefix + "module")
+            count = state_dict.pop(prefix + "n_updates")
+            state_dict[prefix + "n_averaged"] = torch.tensor(int(count), dtype=torch.long)
+            for k, v in inner.items():
+                state_dict[f"{prefix}module.{k}"] = v
+        if self._prefix:
+            wrapped = f"{prefix}module.{self._prefix}"
+            for key in [k for k in state_dict if k.startswith(wrapped)]:
+                state_dict[f"{prefix}module.{key[len(wrapped):]}"] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     # -- pairing ---------------------------------------------------------------------------------
 
@@ -214,7 +262,10 @@ class _Averager(nn.Module):
         self._masters[name] = (master, dst, *_stamp(dst))
         return master
 
-    def _weight(self, step: int | None = None) -> float:
+    _copy_first = False
+
+    def _weight(self, step: int) -> float | None:
+        """The weight of the model in this update; ``None``: torch's SWA rule."""
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -248,8 +299,10 @@ class _Averager(nn.Module):
         half-precision average with a small weight would stop moving).
         """
         custom = self.avg_fn is not None or self.multi_avg_fn is not None
-        first = self._count == 0
-        weight = None if custom else self._weight(step)
+        count = self.n_updates
+        first = count == 0
+        copy_first = custom or self._copy_first
+        weight = None if custom else self._weight(count if step is None else step)
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
         written: list[tuple[str, Tensor, Tensor]] = []
         for name, dst, src, average in self._pairs(model):
@@ -264,7 +317,7 @@ class _Averager(nn.Module):
             # non_blocking only towards an accelerator: a non-blocking copy into host memory may
             # still be in flight when the CPU lerp reads it
             src = src.to(device=acc.device, dtype=acc.dtype, non_blocking=acc.device.type != "cpu")
-            if custom and first:
+            if copy_first and first:
                 acc.copy_(src)  # AveragedModel's rule: the first update copies
                 continue
             dsts, srcs = groups.setdefault((acc.device, acc.dtype), ([], []))
@@ -279,6 +332,18 @@ class _Averager(nn.Module):
                 for d, s in zip(dsts, srcs, strict=True):
                     d.copy_(self.avg_fn(d, s, n))
                 continue
+            if weight is None:  # SWA: torch's two kernels, picked as torch picks them
+                n = self.n_averaged.to(device)
+                foreach = self.foreach
+                if foreach is None:
+                    foreach = device.type in _get_foreach_kernels_supported_devices()
+                if foreach:
+                    get_swa_multi_avg_fn()(dsts, srcs, n)
+                else:
+                    swa_avg = get_swa_avg_fn()
+                    for d, s in zip(dsts, srcs, strict=True):
+                        d.copy_(swa_avg(d, s, n))
+                continue
             foreach = self.foreach
             if foreach is None:
                 foreach = device.type in ("cpu", "cuda", "xpu", "mps")
@@ -290,8 +355,7 @@ class _Averager(nn.Module):
         for name, master, dst in written:
             dst.copy_(master)
             self._masters[name] = (master, dst, *_stamp(dst))
-        self._count += 1
-        self.n_averaged.add_(1)
+        self._count_up(count)
 
 
 class EMA(_Averager):
@@ -385,7 +449,7 @@ class EMA(_Averager):
             d = ema_decay(step, self.decay, bool(self.warmup))
         return max(self.min_decay, d)
 
-    def _weight(self, step: int | None = None) -> float:
+    def _weight(self, step: int) -> float | None:
         return 1.0 - self.current_decay(step)
 
 
@@ -395,9 +459,14 @@ class SWA(_Averager):
     A drop-in for ``torch.optim.swa_utils.AveragedModel``: the same positional arguments
     (``model, device, avg_fn, multi_avg_fn, use_buffers``), an ``nn.Module`` whose ``forward``
     calls the copy, :meth:`update_parameters`, the ``n_averaged`` buffer and the ``state_dict``
-    layout (``n_averaged`` and ``module.*``, so a state dict of torch's loads here and back).
-    The first update copies the weights; update ``n`` (from 1) gives them weight ``1/n`` (or
-    ``avg_fn``/``multi_avg_fn`` decide, with torch's protocol). Buffers are copied from the model
+    layout (``n_averaged`` and ``module.*``, with the wrapper's names ``module._orig_mod.*`` /
+    ``module.module.*`` for a compiled/DDP/``DataParallel`` model, so a state dict of torch's loads
+    here and back; one without the wrapper's names loads too, as does ember's older layout
+    ``{"n_updates", "module"}``). ``n_averaged`` is the count: loads (also through a parent
+    module) and ``n_averaged.zero_()`` set it. The copy's parameters stay trainable, as torch's.
+    The first update copies the weights; update ``n`` (from 1) gives them weight ``1/n``, computed
+    with torch's own kernels (bit for bit ``AveragedModel``'s), or ``avg_fn``/``multi_avg_fn``
+    decide, with torch's protocol. Buffers are copied from the model
     by default (recompute BatchNorm statistics afterwards with :func:`ember.swa.update_bn`);
     integer buffers are always copied (torch's blends them when ``use_buffers=True``).
     On top: ``target`` (average into a copy you provide), ``foreach``, matching by name through
@@ -421,5 +490,7 @@ class SWA(_Averager):
             use_buffers=use_buffers, foreach=foreach,
         )
 
-    def _weight(self, step: int | None = None) -> float:
-        return 1.0 / (self.n_updates + 1)
+    _copy_first = True
+
+    def _weight(self, step: int) -> float | None:
+        return None
