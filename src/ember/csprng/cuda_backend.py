@@ -579,8 +579,10 @@ def _bernoulli(f: _Fill) -> None:
     f.run(start, f.n * 8, spec)
 
 
-def _bernoulli_p(out: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``p`` as a contiguous float64 tensor of the output's shape on its device (validated)."""
+def _bernoulli_p(out: torch.Tensor, p: torch.Tensor, *, wait: bool = True) -> torch.Tensor:
+    """``p`` as a contiguous float64 tensor of the output's shape on its device (validated).
+    With ``wait=False`` the range of a CUDA ``p`` is checked on the device
+    (``torch._assert_async``, as torch's own CUDA kernel asserts), without waiting for it."""
     if p.is_complex() or not (p.is_floating_point() or p.dtype == torch.bool):
         raise TypeError(f"bernoulli_: p must be a floating-point tensor, got {p.dtype}")
     try:
@@ -590,7 +592,10 @@ def _bernoulli_p(out: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
             f"bernoulli_: p of shape {tuple(p.shape)} does not broadcast "
             f"to the output shape {tuple(out.shape)}"
         ) from exc
-    if not bool(((pt >= 0.0) & (pt <= 1.0)).all()):
+    in_range = ((pt >= 0.0) & (pt <= 1.0)).all()
+    if pt.is_cuda and not wait:
+        torch._assert_async(in_range, "bernoulli_: expected all probabilities in [0, 1]")
+    elif not bool(in_range):
         raise ValueError("bernoulli_: expected all probabilities in [0, 1]")
     return pt
 
@@ -749,7 +754,7 @@ def _fast_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -
         except Exception as exc:  # no cuda-bindings, no NVRTC for this GPU, no driver
             raise _LoadError(str(exc)) from exc
     if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor):
-        params = (_bernoulli_p_async(tensor, params[0]),)
+        params = (_bernoulli_p(tensor, params[0], wait=False),)
     elif params not in _DEFAULTS.get(method, ()):
         # the CPU sampler validates the arguments (same errors) and reserves nothing for 0 elements;
         # the default arguments need no check (the adapter has checked the dtype)
@@ -760,26 +765,6 @@ def _fast_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -
     dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
     cuda_fast.fast_fill_(sampler, dst, method, params)
     tensor.copy_(dst)
-
-
-def _bernoulli_p_async(out: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``p`` as contiguous float64 of the output's shape; the range is checked on the device
-    (``torch._assert_async``, as torch's own CUDA kernel asserts), without waiting for it."""
-    if p.is_complex() or not (p.is_floating_point() or p.dtype == torch.bool):
-        raise TypeError(f"bernoulli_: p must be a floating-point tensor, got {p.dtype}")
-    try:
-        pt = p.detach().to(out.device, torch.float64).expand(out.shape).contiguous().view(-1)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"bernoulli_: p of shape {tuple(p.shape)} does not broadcast "
-            f"to the output shape {tuple(out.shape)}"
-        ) from exc
-    if pt.is_cuda:
-        torch._assert_async(((pt >= 0.0) & (pt <= 1.0)).all(),
-                            "bernoulli_: expected all probabilities in [0, 1]")
-    elif not bool(((pt >= 0.0) & (pt <= 1.0)).all()):
-        raise ValueError("bernoulli_: expected all probabilities in [0, 1]")
-    return pt
 
 
 def register() -> None:
