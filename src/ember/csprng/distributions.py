@@ -386,7 +386,8 @@ class NativeSampler:
 
     def normal_foreach_(self, outs: list[torch.Tensor], mean: float = 0.0, std: float = 1.0) -> None:
         """``normal_(out, mean, std)`` for each contiguous CPU tensor of ``outs`` in order (the same
-        values and stream position), with one keystream pass for all tensors of up to 1 MiB."""
+        values and stream position), with one keystream pass for all tensors of up to 1 MiB and
+        one transform for all float32/float64 tensors of up to 32768 values (one group of pairs)."""
         for out in outs:
             _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
@@ -398,7 +399,7 @@ class NativeSampler:
             sizes.append(blocks_for((out.numel() + 1) // 2 * 2 * _ITEMSIZE[word]))
         small_blocks = sum(nb for nb in sizes if nb * BLOCK_BYTES <= CHUNK_BYTES)
         start = self.stream.reserve(sum(sizes))
-        buf = bytearray(small_blocks * BLOCK_BYTES)
+        buf = _tmp("foreach.keystream", small_blocks * BLOCK_BYTES, np.uint8)
         if small_blocks:
             # the small tensors' keystream, one cipher call per run of consecutive small tensors
             # (a large tensor between two small ones splits the run; it is filled on its own)
@@ -415,14 +416,20 @@ class NativeSampler:
                     at += nb * BLOCK_BYTES if small_one else 0
                     pos += nb
         at, pos = 0, start
+        batch: dict[torch.dtype, list[tuple[torch.Tensor, int]]] = {}
         for out, nb in zip(outs, sizes, strict=True):
             if nb * BLOCK_BYTES <= CHUNK_BYTES:
-                draw = _BufferDraw(memoryview(buf)[at: at + nb * BLOCK_BYTES])
+                if out.dtype in _BATCHED_NORMAL and 0 < out.numel() <= 2 * NORMAL_GROUP:
+                    batch.setdefault(out.dtype, []).append((out, at))
+                else:
+                    self._normal(out, mean, std, False,
+                                 _BufferDraw(memoryview(buf)[at: at + nb * BLOCK_BYTES]))
                 at += nb * BLOCK_BYTES
             else:
-                draw = Draw(self.stream, pos, nb)
-            self._normal(out, mean, std, False, draw)
+                self._normal(out, mean, std, False, Draw(self.stream, pos, nb))
             pos += nb
+        for dtype, items in batch.items():
+            _normal_one_group_each(buf, items, dtype, mean, std)
 
     def _normal(self, out: torch.Tensor, mean: float, std: float, log: bool, draw=None) -> None:
         n = out.numel()
@@ -868,6 +875,71 @@ def _poisson_log_pmf(k: np.ndarray, lam: np.ndarray) -> np.ndarray:
         stirlerr = (1 / 12 - (1 / 360 - (1 / 1260 - (1 / 1680 - 1 / (1188 * k2)) / k2) / k2) / k2) / kb
         res[big] = -stirlerr - bd0 - 0.5 * np.log(2.0 * math.pi * kb)
     return res
+
+
+_BATCHED_NORMAL = (torch.float32, torch.float64)
+
+
+def _normal_one_group_each(buf, items: list[tuple[torch.Tensor, int]], dtype: torch.dtype,
+                           mean: float, std: float) -> None:
+    """``normal_`` into many small tensors of one dtype (each at most one group of pairs) whose
+    keystream lies in ``buf`` at the given byte offsets: the transform of ``_normal`` done once
+    for all of them, element for element the same float operations, so the same values.
+
+    A tensor of ``n`` values and ``m = ceil(n / 2)`` pairs reads ``m`` radius words then ``m``
+    angle words; it gets the ``m`` cosine values then the ``m`` sine values, cut to ``n``.
+    """
+    word, cd, bits = _compute(dtype)
+    isz = _ITEMSIZE[word]
+    words = np.frombuffer(buf, dtype=np.dtype(word).newbyteorder("<"))
+    key = tuple((out.numel(), at // isz) for out, at in items)
+    r_at, t_at, cos_at, sin_at, starts = _pair_indices(key)
+    total = len(r_at)
+    mask = word((1 << bits) - 1)
+    k = _tmp("batch.words", total, word)
+    r, th, c = (_tmp("batch." + name, total, cd) for name in "rtc")
+    np.take(words, r_at, out=k)
+    np.bitwise_and(k, mask, out=k)
+    np.copyto(r, _signed(k), casting="unsafe")  # exact: k < 2**bits
+    np.take(words, t_at, out=k)
+    np.bitwise_and(k, mask, out=k)
+    np.copyto(th, _signed(k), casting="unsafe")
+    np.add(r, cd(1.0), out=r)
+    np.multiply(r, cd(2.0**-bits), out=r)
+    np.log(r, out=r)
+    np.multiply(r, cd(-2.0), out=r)
+    np.sqrt(r, out=r)
+    np.multiply(th, cd(_TWO_PI * 2.0**-bits), out=th)
+    np.cos(th, out=c)
+    np.sin(th, out=th)
+    np.multiply(c, r, out=c)
+    np.multiply(th, r, out=th)
+    z = _tmp("batch.z", 2 * total, cd)
+    z[cos_at] = c
+    z[sin_at] = th
+    if not (mean == 0.0 and std == 1.0):
+        np.multiply(z, cd(std), out=z)
+        np.add(z, cd(mean), out=z)
+    for (out, _), (n, _), lo in zip(items, key, starts, strict=True):
+        np.copyto(out.detach().numpy().reshape(-1), z[lo: lo + n])
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_indices(key: tuple[tuple[int, int], ...]):
+    """For tensors of ``(values, first keystream word)``: where each pair's radius and angle
+    words are, where its cosine and sine values go in the concatenated output, and where each
+    tensor's values start there (the same layout repeats every step of a training loop)."""
+    ns = np.array([n for n, _ in key], np.int64)
+    ms = (ns + 1) // 2
+    before = np.cumsum(ms) - ms  # pairs of the earlier tensors
+    local = np.arange(int(ms.sum()), dtype=np.int64) - np.repeat(before, ms)
+    half = np.repeat(ms, ms)
+    r_at = np.repeat(np.array([f for _, f in key], np.int64), ms) + local
+    cos_at = 2 * np.repeat(before, ms) + local
+    arrays = (r_at, r_at + half, cos_at, cos_at + half)
+    for a in arrays:
+        a.flags.writeable = False  # shared by every call with this layout
+    return (*arrays, (2 * before).tolist())
 
 
 class _BufferDraw:

@@ -114,9 +114,10 @@ def secure_noise_foreach_(tensors: Sequence[torch.Tensor], std: float, *,
         draws.append(torch.empty((1, 1), device=t.device))
         draws.extend(torch.empty(t.shape, device=t.device) for _ in range(4))
     normal_foreach_(draws, std, generator=generator)
-    for i, t in enumerate(tensors):
-        total = torch.zeros(t.shape, device=t.device)
-        for z in draws[5 * i + 1: 5 * i + 5]:
-            total += z
-        torch.div(total, 2, out=t)
+    # ((((0 + z1) + z2) + z3) + z4) / 2 for every tensor, one foreach operation per step
+    totals = [torch.zeros(t.shape, device=t.device) for t in tensors]
+    for k in range(1, 5):
+        torch._foreach_add_(totals, draws[k::5])
+    torch._foreach_div_(totals, 2.0)
+    torch._foreach_copy_(tensors, totals)
     return tensors
