@@ -475,3 +475,45 @@ def test_randperm_rejected_fisher_yates_words_come_from_the_reject_stream():
     want, n_rejected = randperm_reference(seed, n)
     assert n_rejected >= 1
     assert torch.randperm(n, generator=csprng.create_generator(seed)).tolist() == want
+
+
+def words_np(ref: Reference, n: int) -> np.ndarray:
+    """``n`` little-endian 32-bit words of the reference keystream as a NumPy array."""
+    nblocks = -(-n * 4 // 16)
+    blocks = b"".join((ref.counter + i).to_bytes(16, "big") for i in range(nblocks))
+    ref.counter += nblocks
+    return np.frombuffer(ref.ecb.encrypt(blocks), "<u4")[:n].astype(np.uint64)
+
+
+# drawn in several chunks and on two threads (more than 1 MiB of keystream)
+LARGE = 300_001
+
+
+# 2**32 mod r is 6 and 296 for r = 10 and 1000: a rejection has probability < 1e-7 per word
+@pytest.mark.parametrize("low,high", [(0, 10), (-5, 995), (0, 2**20), (0, 2**32), (-(2**31), 2**31)])
+def test_large_integer_draws_without_rejection(low, high):
+    r = high - low
+    ref, g = Reference(12), csprng.create_generator(12)
+    got = torch.randint(low, high, (LARGE,), generator=g).numpy()
+    w = words_np(ref, LARGE)
+    if r & (r - 1):
+        assert not ((w * np.uint64(r)) % np.uint64(2**32) < np.uint64(2**32 % r)).any()
+        values = (w * np.uint64(r)) >> np.uint64(32)
+    else:
+        values = w & np.uint64(r - 1)
+    assert np.array_equal(got, values.astype(np.int64) + low)
+    assert g.counter == ref.counter
+
+
+@pytest.mark.parametrize("out", [False, True])
+def test_large_uniform_float32_draws(out):
+    ref, g = Reference(13), csprng.create_generator(13)
+    n = 700_003
+    if out:
+        got = torch.empty(n)
+        torch.rand(n, generator=g, out=got)
+    else:
+        got = torch.rand(n, generator=g)
+    want = (words_np(ref, n) & np.uint64(2**24 - 1)).astype(np.float32) * np.float32(2.0**-24)
+    assert np.array_equal(got.numpy(), want)
+    assert g.counter == ref.counter

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import shuffle, small
+from . import shuffle, small, transforms
 from .ciphers import BLOCK_BYTES
 from .stream import BlockStream, Draw
 
@@ -350,10 +350,17 @@ class NativeSampler:
         sink = _Sink(out)
         into = sink.words(word, cd)
 
+        one_pass = word is np.uint32 and cd is np.float32 and shift == 0
+
         def body(lo: int, hi: int, w: np.ndarray) -> None:
-            np.bitwise_and(w, mask, out=w)
             dst = sink.direct(lo, hi, cd)
             tmp = dst if dst is not None else _tmp("uniform", hi - lo, cd)
+            if one_pass:  # mask, exact conversion and scaling in one pass (the same values)
+                transforms.unit_float32(w, bits, float(scale), tmp)
+                if dst is None:
+                    sink.write(lo, hi, tmp)
+                return
+            np.bitwise_and(w, mask, out=w)
             np.copyto(tmp, _signed(w), casting="unsafe")  # exact: k < 2**bits
             np.multiply(tmp, scale, out=tmp)
             if shift != 0:
@@ -624,11 +631,16 @@ class NativeSampler:
 
         def body(lo: int, hi: int, w: np.ndarray) -> None:
             x = dst[lo:hi] if dst is not None else _tmp("integers.x", hi - lo, np.uint64)
-            bad = _bounded(w, r, x)
-            if bad is not None:
-                rejected.append(bad + lo)
-            if offset:
-                np.add(x, offset, out=x)
+            if not wide:  # one pass: the bounded values with the offset added
+                if transforms.bounded32(w, r, int(offset), x):
+                    low = np.multiply(w, np.uint32(r % (1 << 32)))
+                    rejected.append(np.flatnonzero(low < np.uint32((1 << 32) % r)) + lo)
+            else:
+                bad = _bounded(w, r, x)
+                if bad is not None:
+                    rejected.append(bad + lo)
+                if offset:
+                    np.add(x, offset, out=x)
             if dst is None:
                 sink.write(lo, hi, x.view(np.int64))
 
