@@ -32,6 +32,17 @@ _PRECISIONS = ("fp32", "bf16", "fp16")
 # files of a run in --out: a new run refuses to replace them without --force
 _RUN_FILES = ("model.pt", "swa.pt", "summary.json", "metrics.jsonl", "checkpoints/last.pt")
 
+# without --image-size, images whose first one has a side above this are fitted to this square
+_DEFAULT_MAX_SIDE = 64
+# bounds that keep a typo from allocating the machine away (a clear error instead)
+_MAX_PARAMETERS = 2**28
+_MAX_BATCH_BYTES = 2**32  # 4 GiB of float32 pixels per batch
+_LIMITS = {"hidden": 2**20, "batch_size": 2**20, "epochs": 10**6, "accumulate": 2**20,
+           "workers": 1024, "shuffle_buffer": 10**8, "checkpoint_every": 10**12,
+           "swa_anneal_epochs": 10**6, "swag_rank": 1024, "swap_phase2_epochs": 10**6,
+           "swap_batch_size": 2**20, "swap_bn_batches": 10**9, "num_classes": 10**6,
+           "swa_start": 10**6}
+
 _EPILOG = """\
 outputs (in --out, written by rank 0):
   checkpoints/last.pt  checkpoint after every epoch (and every --checkpoint-every steps); with
@@ -104,7 +115,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--image-size", default=None, metavar="S|HxW",
                       help="train on S x S (or H x W) images: each image is scaled, aspect kept, "
                       "until it covers that size, then center-cropped (default: the size of the "
-                      "first image)")
+                      f"first image when neither side exceeds {_DEFAULT_MAX_SIDE}, else "
+                      f"{_DEFAULT_MAX_SIDE})")
     data.add_argument("--skip-bad", action="store_true",
                       help="skip corrupt shards (their rest) and samples that do not decode, "
                       "counting them in the summary (default: stop with an error naming them)")
@@ -177,7 +189,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="seed of the data shuffle and of the ember.csprng noise stream; -1 keys "
                       "the noise from the OS (default: %(default)s)")
     run_ = p.add_argument_group("outputs and resumption")
-    run_.add_argument("--out", type=Path, default=Path("ember-train-out"), metavar="DIR",
+    run_.add_argument("--out", default="ember-train-out", metavar="DIR",
                       help="output directory (default: %(default)s)")
     run_.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
                       help="also checkpoint every STEPS optimizer steps (default: epoch ends only)")
@@ -186,7 +198,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "DIR/checkpoints/last.pt if it exists")
     run_.add_argument("--force", action="store_true",
                       help="replace the run already in --out (its model.pt, swa.pt, summary.json, "
-                      "metrics.jsonl and checkpoints/last.pt are deleted first)")
+                      "metrics.jsonl and checkpoints/last.pt are moved aside, put back if the "
+                      "new run fails, and deleted when it succeeds)")
     run_.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_main)
 
@@ -260,6 +273,13 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         return run(args)
+    except KeyboardInterrupt:
+        out = getattr(args, "out", None)
+        last = Path(out) / "checkpoints" / "last.pt" if out else None
+        where = f"; continue with --resume auto from {last}" if last is not None and last.exists() \
+            else ""
+        print(f"ember train: interrupted{where}", file=sys.stderr)
+        return 130
     except ConfigError as exc:
         return _error(_in_flag_terms(str(exc)))
     except ShardError as exc:
@@ -274,6 +294,15 @@ def _main(args: argparse.Namespace) -> int:
 
 def _check_args(args: argparse.Namespace) -> None:
     """The options on their own (before any data is looked at)."""
+    if isinstance(args.out, str):
+        if not args.out.strip():
+            raise ConfigError("--out must name a directory, got an empty string")
+        args.out = Path(args.out)
+    for name, limit in _LIMITS.items():
+        value = getattr(args, name, None)
+        if value is not None and value > limit:
+            shown = value if value < 10**15 else f"{str(value)[:6]}... ({len(str(value))} digits)"
+            raise ConfigError(f"--{name.replace('_', '-')} must be <= {limit}, got {shown}")
     for name in ("hidden", "batch_size", "epochs", "accumulate"):
         value = getattr(args, name)
         if value < 1:
@@ -380,26 +409,76 @@ def _is_main_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _prepare_out(out: Path, resume: str | None, force: bool) -> None:
+class _OutGuard:
+    """What a run does to --out, undone where it fails: with --force the earlier run's files are
+    moved aside and put back if the new run fails, and deleted once it succeeds; a new run that
+    fails before its first checkpoint leaves no files (nor folders it made) that would block the
+    same command. Only the main rank touches files."""
+
+    def __init__(self, out: Path, fresh: bool, main: bool) -> None:
+        self.out, self.fresh, self.main = out, fresh, main
+        self.made: list[Path] = []  # folders this run created, innermost last
+        self.aside: Path | None = None
+        self.moved: list[str] = []
+
+    def move_aside(self, names: list[str]) -> None:
+        self.aside = self.out / f".ember-replaced-{os.getpid()}"
+        for name in names:
+            target = self.aside / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.out / name, target)
+            self.moved.append(name)
+
+    def failed(self) -> None:
+        if not self.main:
+            return
+        with contextlib.suppress(OSError):
+            checkpoint = self.out / "checkpoints" / "last.pt"
+            if self.aside is not None or (self.fresh and not checkpoint.exists()):
+                for name in _RUN_FILES:  # this run's files: nothing of them is worth keeping
+                    (self.out / name).unlink(missing_ok=True)
+                    (self.out / (name + ".writing")).unlink(missing_ok=True)
+            if self.aside is not None:
+                for name in self.moved:
+                    os.replace(self.aside / name, self.out / name)
+                import shutil
+
+                shutil.rmtree(self.aside, ignore_errors=True)
+            for folder in reversed(self.made):
+                with contextlib.suppress(OSError):  # not empty: keep it
+                    folder.rmdir()
+
+    def succeeded(self) -> None:
+        if self.main and self.aside is not None:
+            import shutil
+
+            shutil.rmtree(self.aside, ignore_errors=True)
+
+
+def _prepare_out(out: Path, resume: str | None, force: bool) -> _OutGuard:
     """Refuse to replace a run already in ``out`` (unless resuming it or forced), and check that
     ``out`` can be written before any training is done."""
     existing = [name for name in _RUN_FILES if (out / name).exists()]
-    if existing and resume is None:
-        if not force:
-            raise ConfigError(f"--out {out} already holds a run ({', '.join(existing)}); pass "
-                              "--resume auto to continue it, --force to replace it, or another "
-                              "--out")
-        if _is_main_rank():
-            for name in existing:
-                (out / name).unlink()
+    if existing and resume is None and not force:
+        raise ConfigError(f"--out {out} already holds a run ({', '.join(existing)}); pass "
+                          "--resume auto to continue it, --force to replace it, or another "
+                          "--out")
+    guard = _OutGuard(out, fresh=resume is None, main=_is_main_rank())
     try:
-        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        for folder in (out, out / "checkpoints"):
+            if not folder.exists():
+                folder.mkdir(parents=True, exist_ok=True)
+                guard.made.append(folder)
         probe = out / f".ember-write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
+        if existing and resume is None and guard.main:
+            guard.move_aside(existing)
     except OSError as exc:
+        guard.failed()
         reason = exc.strerror or str(exc)
         raise ConfigError(f"--out {out}: cannot write there ({reason})") from None
+    return guard
 
 
 def _class_names(args: argparse.Namespace) -> list[str] | None:
@@ -465,22 +544,89 @@ def _dispose_private_checkpoint(path: Path | None, keep: bool) -> None:
           f"resuming; never publish it with the model)")
 
 
+class _Diverged(Exception):
+    """The training loss stopped being finite."""
+
+
+def _check_model_size(args: argparse.Namespace, shape: tuple[int, ...]) -> None:
+    """Refuse a model or a batch too large to be meant, before anything is allocated."""
+    pixels = 1
+    for d in shape:
+        pixels *= d
+    h = args.hidden
+    if args.model == "mlp":
+        params = pixels * h + h + h * h + h + h * args.num_classes + args.num_classes
+    else:
+        params = shape[0] * 32 * 9 + 32 + 32 * 64 * 9 + 64 + 64 * h + h + h * args.num_classes
+    if params > _MAX_PARAMETERS:
+        raise ConfigError(f"the {args.model} for {shape[1]}x{shape[2]} images with --hidden {h} "
+                          f"would have {params:,} parameters (more than {_MAX_PARAMETERS:,}); "
+                          "pass a smaller --image-size or --hidden, or --model cnn")
+    _check_batch_bytes(args, shape)
+
+
+def _check_batch_bytes(args: argparse.Namespace, shape: tuple[int, ...]) -> None:
+    pixels = shape[0] * shape[1] * shape[2]
+    batch_bytes = 4 * pixels * args.batch_size
+    if batch_bytes > _MAX_BATCH_BYTES:
+        raise ConfigError(f"a batch of --batch-size {args.batch_size} images of "
+                          f"{shape[1]}x{shape[2]} would take {batch_bytes / 2**30:.0f} GiB; pass "
+                          "a smaller --image-size or --batch-size")
+
+
+def _check_resume(args: argparse.Namespace, model: nn.Module) -> None:
+    """The checkpoint --resume names must fit this run's model and still have epochs to do."""
+    from ember.train.checkpoint import find_checkpoint, load_checkpoint
+
+    path = find_checkpoint(args.resume, args.out / "checkpoints")
+    if path is None:  # --resume auto without a checkpoint: a fresh start
+        return
+    state = load_checkpoint(path)
+    saved, mine = state.get("model", {}), model.state_dict()
+    if set(saved) != set(mine) or any(tuple(saved[k].shape) != tuple(v.shape)
+                                      for k, v in mine.items()):
+        raise ConfigError(f"--resume {path}: the checkpoint's model differs from this run's "
+                          f"(--model {args.model}, --hidden {args.hidden}, --image-size "
+                          f"{args.image_size[0]}x{args.image_size[1]}, --grayscale "
+                          f"{'on' if args.grayscale else 'off'}, {args.num_classes} classes); "
+                          "pass the options of the run that wrote it")
+    done = int(state.get("progress", {}).get("epoch", 0))
+    if done >= args.epochs:
+        raise ConfigError(f"--resume {path}: that run already finished {done} of --epochs "
+                          f"{args.epochs}; pass a larger --epochs to train on")
+
+
 def run(args: argparse.Namespace) -> int:
     """Train as the parsed ``ember train`` arguments say; returns the exit status."""
-    import torch
-    from torch import nn
-
-    from ember.train.data import check_shards, image_class_loader, peek_image_shape
-    from ember.train.distributed import all_gather_objects, init_from_env
-    from ember.train.loop import TrainConfig, fit
+    from ember.train.data import check_shards
 
     _check_args(args)
     args.image_size = _image_size(args.image_size)
+    if args.image_size is not None:  # before any image is resized to it
+        _check_batch_bytes(args, (1 if args.grayscale else 3, *args.image_size))
     urls = check_shards(args.data, "--data")
     if args.eval_data:
         check_shards(args.eval_data, "--eval-data")
     names = _class_names(args)
-    _prepare_out(args.out, args.resume, args.force)
+    guard = _prepare_out(args.out, args.resume, args.force)
+    try:
+        status = _train(args, urls, names)
+    except BaseException:
+        guard.failed()
+        raise
+    guard.succeeded()
+    return status
+
+
+def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None) -> int:
+    """The run after its options, data locations and --out were checked."""
+    import torch
+    from torch import nn
+
+    from ember.train.data import image_class_loader, peek_image_shape
+    from ember.train.distributed import all_gather_objects, init_from_env
+    from ember.train.loop import TrainConfig, fit
+
     config = TrainConfig(
         epochs=args.epochs, precision=args.precision, accumulate=args.accumulate,
         max_grad_norm=args.clip_grad_norm, swa_start=args.swa_start,
@@ -507,15 +653,33 @@ def run(args: argparse.Namespace) -> int:
     shape = peek_image_shape(args.data, grayscale=args.grayscale, image_size=args.image_size,
                              skip_bad=args.skip_bad)
     if args.image_size is None:  # the first image's size: images of other sizes are fitted to it
+        if max(shape[1:]) > _DEFAULT_MAX_SIDE:
+            side = _DEFAULT_MAX_SIDE
+            if world.is_main:
+                print(f"the first image is {shape[1]}x{shape[2]}: training on {side}x{side} "
+                      f"(each image scaled and center-cropped; --image-size sets another size)",
+                      flush=True)
+            shape = (shape[0], side, side)
         args.image_size = tuple(shape[1:])
+    _check_model_size(args, shape)
     model = build_model(args.model, shape, args.num_classes, args.hidden)
+    if args.resume is not None:
+        _check_resume(args, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
+    if args.workers > 1 and args.ray_address is None and len(urls) < world.size * args.workers:
+        workers = max(1, len(urls) // world.size)
+        if world.is_main:
+            print(f"--workers {args.workers} but only {len(urls)} shard(s) for {world.size} "
+                  f"process(es): reading with {workers} worker(s) per process (each worker reads "
+                  "whole shards)", flush=True)
+        args.workers = workers
     if privacy is None:
         train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
                                    shuffle=args.shuffle_buffer, grayscale=args.grayscale,
                                    num_workers=args.workers, ray_address=args.ray_address,
-                                   image_size=args.image_size, skip_bad=args.skip_bad)
+                                   image_size=args.image_size, skip_bad=args.skip_bad,
+                                   num_classes=args.num_classes)
         if args.ray_address is not None:
             try:
                 train.connect()
@@ -532,18 +696,28 @@ def run(args: argparse.Namespace) -> int:
         train = _in_memory_loader(image_class_loader(
             args.data, args.batch_size, shuffle=0, grayscale=args.grayscale,
             num_workers=args.workers, split_ranks=False, image_size=args.image_size,
-            skip_bad=args.skip_bad), args.batch_size, world)
+            skip_bad=args.skip_bad, num_classes=args.num_classes), args.batch_size, world)
     test = None
     if args.eval_data:
         test = image_class_loader(args.eval_data, 256, shuffle=0, grayscale=args.grayscale,
                                   split_ranks=False, image_size=args.image_size,
-                                  skip_bad=args.skip_bad)
+                                  skip_bad=args.skip_bad, num_classes=args.num_classes)
+
+    nonfinite = [0]  # consecutive steps with a non-finite loss
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if target.numel() and (int(target.min()) < 0 or int(target.max()) >= args.num_classes):
             raise ConfigError(f"a .cls label is outside [0, --num-classes={args.num_classes}): "
                               f"got labels in [{int(target.min())}, {int(target.max())}]")
-        return nn.functional.cross_entropy(logits, target)
+        loss = nn.functional.cross_entropy(logits, target)
+        if bool(torch.isfinite(loss.detach())):
+            nonfinite[0] = 0
+        else:
+            nonfinite[0] += 1
+            # fp16's loss scaler skips overflowing steps by itself: stop only when it persists
+            if args.precision != "fp16" or nonfinite[0] >= 20:
+                raise _Diverged()
+        return loss
 
     try:
         def on_epoch(epoch: int, record: dict) -> None:
@@ -556,6 +730,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test,
                          privacy=privacy, on_epoch=on_epoch)
+        except _Diverged:
+            last = args.out / "checkpoints" / "last.pt"
+            kept = f"; the last checkpoint before it is {last}" if last.exists() else ""
+            raise ConfigError(f"the training loss became inf or nan (--lr {args.lr:g} is too "
+                              f"large for this model and data, or the data hold extreme values); "
+                              f"lower --lr{kept}") from None
         except EpsilonTooLowError as exc:
             raise ConfigError(f"--dp-epsilon {args.dp_epsilon:g} is too low: with --dp-delta "
                               f"{args.dp_delta:g} over {exc.steps} steps (--epochs {args.epochs} "
@@ -576,6 +756,7 @@ def run(args: argparse.Namespace) -> int:
         if result.swa is not None:
             torch.save(result.swa.module.state_dict(), args.out / "swa.pt")
         skipped = sum(r.get("data_errors", 0) for r in result.history)
+        skipped_eval = result.history[-1].get("eval_data_errors", 0) if result.history else 0
         summary = {"steps": result.steps, "skipped_steps": result.skipped_steps,
                    "dropped_microbatches": result.dropped_microbatches,
                    "world_size": result.world_size, "rank_digests": result.rank_digests,
@@ -584,7 +765,7 @@ def run(args: argparse.Namespace) -> int:
                    "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
                    "privacy": result.privacy,
                    "image_size": list(args.image_size), "classes": names,
-                   "skipped_bad": skipped}
+                   "skipped_bad": skipped, "skipped_bad_eval": skipped_eval}
         per_class = None
         if test is not None and names is not None:
             per_class = _per_class_accuracy(result.model, test, names)
@@ -603,7 +784,9 @@ def run(args: argparse.Namespace) -> int:
             print("test accuracy per class: "
                   + ", ".join(f"{n} {a:.4f}" for n, a in per_class.items()))
         if args.skip_bad:
-            print(f"skipped {skipped} bad shards/samples (--skip-bad)")
+            print(f"skipped {skipped} bad shards/samples in training"
+                  + (f" and {skipped_eval} in each pass over --eval-data" if args.eval_data else "")
+                  + " (--skip-bad)")
         if swap_record is not None and "eval_accuracy" in swap_record:
             print(f"SWAP average of {result.world_size} ranks: test accuracy "
                   f"{swap_record['eval_accuracy']:.4f}")

@@ -76,9 +76,11 @@ class ImageExample:
     """A decoded sample (PIL image and int class) -> ``(image tensor, label)``; errors name the
     shard, the sample key and the cause."""
 
-    def __init__(self, image_size: tuple[int, int] | None, grayscale: bool):
+    def __init__(self, image_size: tuple[int, int] | None, grayscale: bool,
+                 num_classes: int | None = None):
         self.image_size = image_size
         self.grayscale = grayscale
+        self.num_classes = num_classes
 
     def __call__(self, sample: dict) -> tuple[torch.Tensor, int]:
         import numpy as np
@@ -94,6 +96,13 @@ class ImageExample:
         label = sample["cls"]
         if isinstance(label, bool) or not isinstance(label, int):
             raise DecodeError(f"sample {key!r}: .cls is not an integer: {label!r}", url)
+        if self.num_classes is not None and not 0 <= label < self.num_classes:
+            shown = label if abs(label) < 10**30 else f"{str(label)[:12]}... ({len(str(label))} digits)"
+            raise DecodeError(f"sample {key!r}: .cls label {shown} is outside [0, "
+                              f"{self.num_classes}), the classes of this run (--num-classes)", url)
+        if not -(2**63) <= label < 2**63:
+            raise DecodeError(f"sample {key!r}: .cls label {str(label)[:12]}... does not fit a "
+                              "64-bit integer", url)
         image = sample[images[0]]
         if self.image_size is not None:
             image = resize_center_crop(image, self.image_size)
@@ -150,7 +159,7 @@ def check_shards(urls: str | Sequence[str], what: str = "--data") -> list[str]:
 def _dataset(urls: Sequence[str], *, seed: int, shuffle: int, grayscale: bool,
              rank: int | None, world_size: int | None, equalize: str | None,
              generator: torch.Generator | None, image_size: tuple[int, int] | None = None,
-             skip_bad: bool = False) -> ShardDataset:
+             skip_bad: bool = False, num_classes: int | None = None) -> ShardDataset:
     # skip_bad: a bad shard's rest (on_error) and a bad sample (the stages' handler) are skipped
     # and counted in error_count
     handler = ignore_and_continue if skip_bad else None
@@ -160,22 +169,23 @@ def _dataset(urls: Sequence[str], *, seed: int, shuffle: int, grayscale: bool,
     if shuffle > 0:
         ds = ds.shuffle(shuffle)
     return (ds.decode("pill" if grayscale else "pil", handler=handler)
-            .map(ImageExample(image_size, grayscale), handler=handler))
+            .map(ImageExample(image_size, grayscale, num_classes), handler=handler))
 
 
 def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int = 0,
                        shuffle: int = 1000, grayscale: bool = False, num_workers: int = 0,
                        split_ranks: bool = True, generator: torch.Generator | None = None,
                        ray_address: str | None = None,
-                       image_size: int | tuple[int, int] | None = None, skip_bad: bool = False
-                       ) -> ShardLoader | RayShardLoader:
+                       image_size: int | tuple[int, int] | None = None, skip_bad: bool = False,
+                       num_classes: int | None = None) -> ShardLoader | RayShardLoader:
     """A resumable loader of ``(images, labels)`` batches from image + cls shards.
 
     ``image_size`` (an int or ``(height, width)``) resizes every image, aspect kept, until it
     covers that size and center-crops it (:func:`resize_center_crop`); without it the images
     must all have one size. A bad shard or sample raises a :class:`~ember.shards.ShardError`
     naming the shard and the sample key; with ``skip_bad`` it is skipped instead and counted in
-    the loader's ``error_count``.
+    the loader's ``error_count``. With ``num_classes`` a label outside ``[0, num_classes)`` is
+    such a bad sample.
 
     ``shuffle`` is the sample shuffle buffer (0: read in order, shard order unshuffled too);
     shuffling is reproducible from ``seed`` and changes every epoch; ``generator`` (e.g. an
@@ -193,7 +203,7 @@ def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int 
     equalize = "drop" if split_ranks and _world_size() > 1 else None
     ds = _dataset(expanded, seed=seed, shuffle=shuffle, grayscale=grayscale, rank=rank,
                   world_size=world, equalize=equalize, generator=generator, image_size=size,
-                  skip_bad=skip_bad)
+                  skip_bad=skip_bad, num_classes=num_classes)
     if ray_address is not None:
         return RayShardLoader(ds.batched(batch_size), address=ray_address)
     return ShardLoader(ds.batched(batch_size), num_workers=num_workers)

@@ -408,6 +408,19 @@ def _checkpoint_state(world: World, model: nn.Module, optimizer: torch.optim.Opt
     }
 
 
+def _check_same_model(saved: dict[str, Any], mine: dict[str, Any]) -> None:
+    """A ConfigError naming the first difference between a checkpoint's model and this run's."""
+    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or extra:
+        raise ConfigError("the checkpoint's model is not this run's model: "
+                          + (f"it lacks {missing[0]}" if missing else f"it has {extra[0]} in addition"))
+    for name, t in mine.items():
+        if tuple(saved[name].shape) != tuple(t.shape):
+            raise ConfigError(f"the checkpoint's model is not this run's model: {name} has shape "
+                              f"{tuple(saved[name].shape)} in the checkpoint and {tuple(t.shape)} "
+                              "here")
+
+
 def _restore(state: dict[str, Any], world: World, model: nn.Module,
              optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None,
              scaler: torch.amp.GradScaler | None, swa: SWA | None, swag: SWAG | None,
@@ -425,6 +438,7 @@ def _restore(state: dict[str, Any], world: World, model: nn.Module,
                               f"run has {key}={value!r}")
     if (state["scheduler"] is None) != (scheduler is None):
         raise ConfigError("checkpoint and this run disagree on whether an LR scheduler is used")
+    _check_same_model(state["model"], model.state_dict())
     model.load_state_dict(state["model"])
     # SWALR sets the learning rate when built, so build it before restoring the optimizer
     swalr = _make_swalr(optimizer, config) if state["swalr"] is not None else None
@@ -473,10 +487,13 @@ def _batches(loader: Iterable) -> Iterator:
         yield batch
 
 
-def _progress_bar(enabled: bool) -> Any:
+def _progress_bar(enabled: bool, total: int | None = None, desc: str | None = None) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(unit="batch", disable=not enabled, dynamic_ncols=True, mininterval=0.5)
+    # total and description from the start: a bar drawn before its first reset showed
+    # "0batch" with no total
+    return tqdm(unit="batch", disable=not enabled, dynamic_ncols=True, mininterval=0.5,
+                total=total, desc=desc)
 
 
 def _length(loader: Iterable) -> int | None:
@@ -640,7 +657,8 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
 
     if private is not None:
         private.watch_buffers()  # after resuming: a training step must not change any buffer
-    bar = _progress_bar(config.progress and world.is_main)
+    bar = _progress_bar(config.progress and world.is_main and progress.epoch < config.epochs,
+                        _length(train_loader), f"epoch {progress.epoch + 1}/{config.epochs}")
     stop = False  # on_step raised StopTraining
     try:
         for epoch in range(progress.epoch, config.epochs):
@@ -752,6 +770,9 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             if eval_loader is not None and world.is_main:
                 record.update(_evaluate_kept(model, ema, swa, eval_loader, bn_loader, precision,
                                              device, config.bn_batches))
+                eval_errors = getattr(eval_loader, "error_count", None)
+                if eval_errors is not None:  # skipped in the (last) evaluation pass
+                    record["eval_data_errors"] = int(eval_errors)
             if private is not None:
                 record.update(private.epoch_record())
             progress.history.append(record)
