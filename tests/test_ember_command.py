@@ -31,3 +31,31 @@ def test_bench_says_what_it_does_before_measuring(monkeypatch, capsys):
     assert "timing ember.csprng" in seen["stderr_before"]
     assert "torch's default generator" in seen["stderr_before"]
     assert "done in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, prog, names", [
+    (["train", "--data", "x", "--epochs"], "ember train", "--epochs"),
+    (["train", "--epochs", "3"], "ember train", "--data"),
+    (["train", "--data", "x", "--bogus"], "ember train", "--bogus"),
+    (["train", "--data", "x", "--epochs", "three"], "ember train", "three"),
+    (["shards", "create"], "ember shards create", "source"),
+    (["shards", "nope"], "ember shards", "nope"),
+    (["fly"], "ember", "fly"),
+])
+def test_a_usage_error_is_one_line_naming_what_was_wrong(argv, prog, names, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"{prog}: error: ") and names in lines[0], lines[0]
+    assert f"{prog} --help" in lines[0]  # where the full usage is
+    assert captured.out == ""
+
+
+def test_help_still_prints_the_usage(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    assert "usage: ember train" in capsys.readouterr().out

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # command -> (the module whose ``register(subparsers)`` adds it and sets ``func`` on the parsed
 # namespace, its line in `ember --help`). Only the module of the command being run is imported,
@@ -31,10 +32,32 @@ def _version() -> str:
     return f"ember {__version__} (torch {torch}, Python {sys.version.split()[0]})"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, ``PROG: error: WHAT (see PROG --help)``,
+    exit status 2; sub-command parsers made from it are of the same kind."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, "_deepest_prog"):  # the innermost sub-command finishes first
+            namespace._deepest_prog = self.prog
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = self.parse_known_args(args, namespace)
+        prog = vars(namespace).pop("_deepest_prog", self.prog)
+        if extras:  # named by the sub-command they were given to, not by the top level
+            message = f"unrecognized arguments: {' '.join(extras)}"
+            self.exit(2, f"{prog}: error: {message} (see {prog} --help)\n")
+        return namespace
+
+
 def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``ember`` parser with the full options of ``commands`` (default: every command); the
     others are listed by name and help line only."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ember",
         description="ember: secure randomness, tar-shard streaming, weight averaging and "
         "training for PyTorch.",
