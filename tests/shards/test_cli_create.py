@@ -139,3 +139,40 @@ def test_create_reads_a_tar_stream_from_stdin(tmp_path, monkeypatch, capsys, mak
     # keys lose tar's leading "./" (issue 26)
     assert [s["__key__"] for s in got] == [f"s{j}" for j in range(7)]
     assert [s["txt"] for s in got] == [f"text {j}".encode() for j in range(7)]
+
+
+def _read_back(out_dir) -> dict[str, tuple[str, tuple]]:
+    """key -> (the image field's extension, the decoded image's first pixel), read by WebDataset."""
+    urls = sorted(str(p) for p in out_dir.glob("*.tar"))
+    got = {}
+    for s in wds.WebDataset(urls, shardshuffle=False).decode("rgb8"):
+        fields = [k for k in s if not k.startswith("__") and k != "cls"]
+        assert len(fields) == 1, (s["__key__"], fields)  # one image per sample, no merged pairs
+        got[s["__key__"]] = (fields[0], tuple(int(v) for v in s[fields[0]][0, 0]))
+    return got
+
+
+def test_create_keeps_every_image_of_a_real_looking_folder(tmp_path, capsys):
+    root = tmp_path / "photos"
+    for sub in ["cat/2021/summer", "dog"]:
+        (root / sub).mkdir(parents=True)
+    Image.fromarray(np.full((4, 5, 3), 10, dtype=np.uint8)).save(root / "cat" / "x.jpg", quality=100)
+    (root / "cat" / "x.png").write_bytes(_png(200))  # the same stem in two formats
+    (root / "cat" / "IMG_2021.01.05.png").write_bytes(_png(30))  # dots in the name
+    (root / "cat" / "IMG_2021_01_05.png").write_bytes(_png(40))  # ... and its dotless twin
+    (root / "cat" / "2021" / "summer" / "beach.png").write_bytes(_png(50))  # nested, as ImageFolder
+    (root / "dog" / "a.png").write_bytes(_png(60))
+    (root / "dog" / "readme.txt").write_text("not an image")
+    out = tmp_path / "out"
+    assert main(["shards", "create", str(root), "-o", str(out / "s-%03d.tar"), "-q"]) == 0
+    printed = capsys.readouterr()
+    assert "wrote 6 samples" in printed.out
+    got = _read_back(out)
+    assert len(got) == 6 and len(set(got)) == 6  # every image, each under its own key
+    pixels = sorted(p[0] for _, p in got.values())
+    assert pixels[1:] == [30, 40, 50, 60, 200] and pixels[0] in range(5, 16)  # jpg is lossy
+    assert any(k.startswith("cat/2021/summer/") for k in got)
+    assert all("." not in k.rsplit("/", 1)[-1] for k in got)
+    # what was skipped or renamed is said, not silent
+    assert "1 file" in printed.err and "readme.txt" in printed.err
+    assert "IMG_2021.01.05.png" in printed.err

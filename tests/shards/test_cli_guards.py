@@ -167,7 +167,7 @@ def test_maxsize_takes_units(photos, tmp_path):
     done = ember("create", str(photos), "-o", str(tmp_path / "a" / "t-%03d.tar"), "-q",
                  "--maxsize", "1GB")
     assert done.returncode == 0, done.stderr.decode()
-    assert b"wrote 4 samples to 1 shards" in done.stdout
+    assert b"wrote 4 samples to 1 shard" in done.stdout
     # 1kB holds one small sample per shard
     done = ember("create", str(photos), "-o", str(tmp_path / "b" / "t-%03d.tar"), "-q",
                  "--maxsize", "2kB")

@@ -70,7 +70,7 @@ def test_merge_joins_a_sample_split_across_two_shards(tmp_path, capsys):
         w.write({"__key__": "x2", "cls": "2", "txt": "c"})
     out = str(tmp_path / "m-%02d.tar")
     assert main(["shards", "merge", a, b, "-o", out, "-q"]) == 0
-    assert "wrote 3 samples to 1 shards" in capsys.readouterr().out
+    assert "wrote 3 samples to 1 shard" in capsys.readouterr().out
     samples = _read(str(tmp_path / "m-00.tar"))
     assert [s["__key__"] for s in samples] == ["x0", "x1", "x2"]
     assert bytes(samples[1]["cls"]) == b"1" and bytes(samples[1]["txt"]) == b"b"

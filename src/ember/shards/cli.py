@@ -397,7 +397,9 @@ def _write_all(args, urls: list[str], samples, join: bool = False,
                 os.remove(path)
     if finish is not None:
         finish()
-    print(f"wrote {w.total} samples to {len(w.shards)} shards (read back and checked)"
+    n = len(w.shards)
+    print(f"wrote {w.total} sample{'s' * (w.total != 1)} to {n} shard{'s' * (n != 1)} (read back "
+          "and checked)"
           + (f"; replaced {len(old)} files that were there (--force)" if old else ""))
     return 0
 
@@ -451,26 +453,71 @@ def _shuffle(args) -> int:
         return _write_all(args, urls, ({**read_sample(u, span), "__url__": u} for u, span in bar))
 
 
-def _folder_images(root: str, classes: list[str]) -> list[tuple[int, str, str, str]]:
-    """``(class index, class name, file stem, path)`` of every image file of an ImageFolder."""
-    found = []
+def _folder_images(root: str, classes: list[str]) -> tuple[list[tuple[int, str, str, str]],
+                                                              list[str], list[tuple[str, str]]]:
+    """Every image file of an ImageFolder, as ``(class index, class name, sample key, path)``;
+    then the files left out (not an image by their extension) and the ``(path, key)`` pairs whose
+    key is not simply ``class/relative path without extension``.
+
+    Class folders are walked recursively (as torchvision's ``ImageFolder``), so ``cat/2021/a.jpg``
+    becomes ``cat/2021/a``. WebDataset splits a member name at the first dot of its last
+    component, so dots in a file's stem become ``_``; two files that would share a key
+    (``x.jpg`` and ``x.png``) get their extension appended (``x_jpg``, ``x_png``) and, if
+    still equal, a counter."""
+    found, skipped, renamed = [], [], []
     for index, name in enumerate(classes):
-        folder = os.path.join(root, name)
-        for fname in sorted(os.listdir(folder)):
-            path = os.path.join(folder, fname)
+        top = os.path.join(root, name)
+        entries = []  # (relative folder, file name, path)
+        for folder, dirs, files in os.walk(top, followlinks=True):
+            dirs.sort()
+            rel = os.path.relpath(folder, top).replace(os.sep, "/")
+            for fname in sorted(files):
+                entries.append(("" if rel == "." else rel, fname, os.path.join(folder, fname)))
+        plain: dict[str, list[tuple[str, str, str]]] = {}  # wanted key -> (file name, ext, path)
+        for rel, fname, path in entries:
             stem, dot, ext = fname.rpartition(".")
-            if dot and ext.lower() in IMAGE_EXTENSIONS and os.path.isfile(path):
-                found.append((index, name, stem, path))
-    return found
+            if not (dot and stem and ext.lower() in IMAGE_EXTENSIONS):
+                skipped.append(path)
+                continue
+            prefix = f"{name}/{rel}/" if rel else f"{name}/"
+            plain.setdefault(prefix + stem.replace(".", "_"), []).append((fname, ext, path))
+        used: set[str] = set()
+        chosen = []
+        for key, files in plain.items():
+            for fname, ext, path in files:
+                want = key if len(files) == 1 else f"{key}_{ext.lower()}"
+                final, n = want, 1
+                while final in used or (final != key and final in plain):
+                    n += 1
+                    final = f"{want}-{n}"
+                used.add(final)
+                if final != key or "." in fname.rpartition(".")[0]:
+                    renamed.append((path, final))
+                chosen.append((index, name, final, path))
+        found.extend(sorted(chosen, key=lambda t: t[3]))
+    return found, skipped, renamed
 
 
 def _folder_samples(images: list[tuple[int, str, str, str]]):
-    for index, name, stem, path in images:
+    for index, _name, key, path in images:
         with open(path, "rb") as f:
             data = f.read()
         ext = path.rpartition(".")[2].lower()
-        yield {"__key__": f"{name}/{stem}", ext: data, "cls": str(index).encode(),
-               "__path__": path}
+        yield {"__key__": key, ext: data, "cls": str(index).encode(), "__path__": path}
+
+
+def _say_left_out(skipped: list[str], renamed: list[tuple[str, str]]) -> None:
+    """One line each for files that are not images and for keys that differ from file names."""
+    if skipped:
+        n = len(skipped)
+        print(f"ember shards create: left out {n} file{'s' * (n != 1)} that {'is' if n == 1 else 'are'}"
+              f" not an image by its extension (first: {skipped[0]})", file=sys.stderr)
+    if renamed:
+        n = len(renamed)
+        path, key = renamed[0]
+        print(f"ember shards create: {n} sample key{'s' * (n != 1)} differ from the file names "
+              f"(dots in a name, or one name in two formats; first: {path} -> key {key!r})",
+              file=sys.stderr)
 
 
 def _image_problem(data: bytes) -> str | None:
@@ -573,7 +620,11 @@ def _create(args) -> int:
             with open(classes_path, "w", encoding="utf-8") as f:
                 json.dump({"classes": classes}, f)
 
-        images = _folder_images(src, classes)
+        images, skipped, renamed = _folder_images(src, classes)
+        if not images:
+            raise ValueError(f"{src} has no image files in its class subfolders (by extension: "
+                             f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
+        _say_left_out(skipped, renamed)
         total = len(images)
         samples = _folder_samples(images)
     bar = tqdm(_checked_images(samples, src), total=total, disable=args.quiet, unit="sample",
