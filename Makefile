@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ember-installed
 .PHONY: demo test test-slow lint bench clean
 
 # setup.py and the C sources: an editable install builds the optional extensions in place
-$(STAMP): pyproject.toml setup.py src/ember/shards/_speedups.c src/ember/csprng/_shuffle.c src/ember/csprng/_transforms.c
+$(STAMP): pyproject.toml setup.py src/ember/shards/_speedups.c src/ember/csprng/_shuffle.c src/ember/csprng/_transforms.c src/ember/csprng/_buffers.h
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	# torch pinned for development and CI (a CPU wheel of exactly this version is on local disk)

@@ -13,7 +13,9 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("ember.shards._speedups", ["src/ember/shards/_speedups.c"], optional=True),
-        Extension("ember.csprng._shuffle", ["src/ember/csprng/_shuffle.c"], optional=True),
-        Extension("ember.csprng._transforms", ["src/ember/csprng/_transforms.c"], optional=True),
+        Extension("ember.csprng._shuffle", ["src/ember/csprng/_shuffle.c"],
+                  depends=["src/ember/csprng/_buffers.h"], optional=True),
+        Extension("ember.csprng._transforms", ["src/ember/csprng/_transforms.c"],
+                  depends=["src/ember/csprng/_buffers.h"], optional=True),
     ]
 )

@@ -21,19 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize,
-                      const char *what)
-{
-    if (PyObject_GetBuffer(obj, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    if (view->len % itemsize != 0) {
-        PyErr_Format(PyExc_ValueError, "%s: buffer of %zd bytes is not a whole number of "
-                     "%zd-byte items", what, view->len, itemsize);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
+#include "_buffers.h"
 
 static PyObject *transforms_bounded32(PyObject *self, PyObject *args)
 {
