@@ -234,3 +234,21 @@ def test_epochs_reach_spawned_persistent_workers(make_shards):
     fifth = list(loader)
     assert first == _reference(pattern, 0, 2) and second == _reference(pattern, 1, 2)
     assert fifth == _reference(pattern, 5, 2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_bad_shard_after_a_streams_last_item_is_counted(make_shards, tmp_path, num_workers):
+    # the error comes after the last item the stream hands out (a full batch just before it):
+    # the count must still reach the loader, and the items must be those without the bad shard
+    pattern, keys = make_shards(2, 4)
+    (tmp_path / "s-zzz.tar").write_bytes(b"")
+    (tmp_path / "s-zzy.tar").write_bytes(b"not a tar archive at all" * 30)
+    urls = [pattern.replace("{000..001}", n) for n in ("000", "001")]
+    urls += [str(tmp_path / "s-zzy.tar"), str(tmp_path / "s-zzz.tar")]
+    ds = ShardDataset(urls, shuffle_shards=False, on_error="skip").to_tuple("__key__").batched(4)
+    loader = ShardLoader(ds, num_workers=num_workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = [k for batch in loader for k in batch[0]]
+    assert sorted(got) == keys
+    assert loader.error_count == 2

@@ -672,6 +672,13 @@ class ShardDataset(IterableDataset):
             raise
         if group:
             yield worker, errors, seal(group)
+            last = errors[-1]
+        else:
+            last = None
+        if policy.count and policy.count != last:
+            # shards or samples skipped after the stream's last item: an empty group carries the
+            # count (it hands out no item, so the order of the items is unchanged)
+            yield worker, [policy.count], []
 
 
 _HANDLED = ("decode", "map", "map_dict", "map_tuple", "to_tuple")

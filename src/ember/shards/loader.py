@@ -289,6 +289,9 @@ class ShardLoader:
         n = self._streams
         try:
             for stream, errors, group in loader:
+                if not group:  # the stream's final error count, after its last item
+                    self._errors[stream] = errors[0]
+                    continue
                 items = arena.unpack(stream, group) if arena is not None else group
                 last = len(group) - 1
                 after = (stream + 1) % n
