@@ -58,6 +58,28 @@ IMAGE_SPECS: dict[str, tuple[str, str, bool]] = {
 Handler = Callable[[str, bytes], Any]
 
 
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def _eight_bit(img: Any) -> Any:
+    """``img`` with 16-bit samples scaled to 8 bits (v / 257, rounded), as the 8-bit copy of the
+    same picture reads; Pillow's own conversion clips them at 255, so a 16-bit grayscale PNG
+    would read as white. 32-bit images have no fixed range to scale from: refused."""
+    if img.mode not in (*_SIXTEEN_BIT, "I", "F"):
+        return img
+    import numpy as np
+    from PIL import Image
+
+    if img.mode == "F":
+        raise ValueError("a 32-bit float image (Pillow mode F) has no fixed range to map to 8 "
+                         "bits; save it as an 8- or 16-bit image")
+    arr = np.asarray(img).astype(np.int64)
+    if img.mode == "I" and arr.size and (int(arr.min()) < 0 or int(arr.max()) > 65535):
+        raise ValueError("a 32-bit integer image (Pillow mode I) with values outside 0..65535 "
+                         "has no fixed range to map to 8 bits; save it as an 8- or 16-bit image")
+    return Image.fromarray(((arr + 128) // 257).astype(np.uint8), "L")
+
+
 def imagehandler(spec: str, *, max_pixels: int | None = MAX_PIXELS) -> Handler:
     """A handler decoding image extensions to ``spec`` (``pil``, ``rgb8``, ``torchrgb``, ...)."""
     if spec not in IMAGE_SPECS:
@@ -83,6 +105,7 @@ def imagehandler(spec: str, *, max_pixels: int | None = MAX_PIXELS) -> Handler:
             if max_pixels is not None and w * h > max_pixels:
                 raise ValueError(f"image of {w}x{h} pixels exceeds max_pixels={max_pixels}")
             img.load()
+        img = _eight_bit(img)
         if img.mode != mode:
             img = img.convert(mode)
         if kind == "pil":
