@@ -291,7 +291,7 @@ def test_resume_of_a_file_that_is_not_a_checkpoint(good_shard, tmp_path):
     line = one_error_line(ember("train", "--data", str(good_shard), "--num-classes", "2",
                                 "--out", str(tmp_path / "run"), "--resume", str(bogus),
                                 "--no-progress"))
-    assert str(bogus) in line and "not an ember.train checkpoint" in line
+    assert str(bogus) in line and "not an ember checkpoint" in line
 
 
 def test_unwritable_out(good_shard, tmp_path):

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ _RUN_FILES = ("model.pt", "swa.pt", "summary.json", "metrics.jsonl", "checkpoint
 _DEFAULT_MAX_SIDE = 64
 # bounds that keep a typo from allocating the machine away (a clear error instead)
 _MAX_PARAMETERS = 2**28
+_FLOAT32_MAX = 3.4028234663852886e38
 _MAX_BATCH_BYTES = 2**32  # 4 GiB of float32 pixels per batch
 _LIMITS = {"hidden": 2**20, "batch_size": 2**20, "epochs": 10**6, "accumulate": 2**20,
            "workers": 1024, "shuffle_buffer": 10**8, "checkpoint_every": 10**12,
@@ -273,13 +275,12 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         return run(args)
-    except KeyboardInterrupt:
-        out = getattr(args, "out", None)
-        last = Path(out) / "checkpoints" / "last.pt" if out else None
-        where = f"; continue with --resume auto from {last}" if last is not None and last.exists() \
-            else ""
-        print(f"ember train: interrupted{where}", file=sys.stderr)
-        return 130
+    except (_Interrupted, KeyboardInterrupt) as exc:
+        out = Path(getattr(args, "out", None) or ".")
+        restored = isinstance(exc, _Interrupted) and exc.restored
+        print(_interrupted_message(out, restored, out / "checkpoints" / "last.pt"),
+              file=sys.stderr)
+        return exc.status if isinstance(exc, _Interrupted) else 130
     except ConfigError as exc:
         return _error(_in_flag_terms(str(exc)))
     except ShardError as exc:
@@ -318,6 +319,10 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+        if value is not None and name != "dp_epsilon" and abs(value) > _FLOAT32_MAX:
+            # the model trains in float32: torch cannot turn a larger factor into one
+            raise ConfigError(f"--{name.replace('_', '-')} must be at most {_FLOAT32_MAX:.3g} "
+                              f"(float32's largest number), got {value:g}")
     if args.ray_address is not None and args.workers:
         raise ConfigError("--workers applies to local reading; with --ray-address the Ray "
                           "cluster's CPUs read the shards (drop --workers)")
@@ -330,6 +335,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
     if args.swag_rank < 0:
         raise ConfigError(f"--swag-rank must be >= 0, got {args.swag_rank}")
+    if args.swa_start is None:
+        for flag, value in (("--swa-lr", args.swa_lr), ("--swag-rank", args.swag_rank or None)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --swa-start (the epoch where averaging starts)")
     if args.dp_noise_multiplier is not None:
         raise ConfigError("--dp-noise-multiplier was removed (it was not differential privacy); "
                           "use --dp-epsilon E --dp-delta D --max-grad-norm C")
@@ -349,6 +358,12 @@ def _check_args(args: argparse.Namespace) -> None:
     dp = (args.dp_epsilon, args.dp_delta, args.max_grad_norm)
     if any(v is not None for v in dp) and any(v is None for v in dp):
         raise ConfigError("DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm")
+    if args.dp_epsilon is not None and not args.dp_epsilon > 0:
+        raise ConfigError(f"--dp-epsilon must be > 0, got {args.dp_epsilon:g}")
+    if args.dp_delta is not None and not 0 < args.dp_delta < 1:
+        raise ConfigError(f"--dp-delta must be in (0, 1), got {args.dp_delta:g}")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        raise ConfigError(f"--max-grad-norm must be > 0, got {args.max_grad_norm:g}")
     if args.keep_checkpoints and args.dp_epsilon is None:
         raise ConfigError("--keep-checkpoints is for DP-SGD runs (--dp-epsilon); other runs "
                           "always keep their checkpoints")
@@ -486,6 +501,15 @@ def _class_names(args: argparse.Namespace) -> list[str] | None:
     from ember.train.data import read_class_names
 
     names = read_class_names(args.data)
+    if args.eval_data:
+        eval_names = read_class_names(args.eval_data)
+        if eval_names is not None and names is not None and eval_names != names:
+            raise ConfigError(f"the classes.json next to --eval-data names other classes than "
+                              f"the one next to --data ({', '.join(eval_names[:4])}"
+                              f"{', ...' if len(eval_names) > 4 else ''} against "
+                              f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): the "
+                              "labels would not mean the same; write both with one `ember "
+                              "shards create` class list")
     if names is None:
         if args.num_classes is None:
             raise ConfigError("--num-classes is needed: there is no classes.json next to the "
@@ -502,15 +526,25 @@ def _class_names(args: argparse.Namespace) -> list[str] | None:
     return names
 
 
-def _batches_per_epoch(urls: list[str], batch_size: int) -> int | None:
+def _batches_per_epoch(urls: list[str], batch_size: int, workers: int, skip_bad: bool
+                       ) -> int | None:
     """Batches of one epoch of one process, where the shards are local (an .idx file or a header
-    scan counts their samples); None otherwise."""
+    scan counts their samples) and read by at most one worker; None otherwise (several workers
+    each end with a partial batch of their own shards, which change from epoch to epoch; a bad
+    shard that --skip-bad skips has no known count)."""
+    from ember.shards.errors import ShardError
     from ember.shards.index import sample_count
     from ember.shards.urls import local_path
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or any(local_path(u) is None for u in urls):
+    if (int(os.environ.get("WORLD_SIZE", "1")) > 1 or workers > 1
+            or any(local_path(u) is None for u in urls)):
         return None
-    total = sum(sample_count(u) for u in urls)
+    try:
+        total = sum(sample_count(u) for u in urls)
+    except ShardError:
+        if skip_bad:
+            return None
+        raise
     return -(-total // batch_size)
 
 
@@ -581,7 +615,13 @@ def _check_resume(args: argparse.Namespace, model: nn.Module) -> None:
     path = find_checkpoint(args.resume, args.out / "checkpoints")
     if path is None:  # --resume auto without a checkpoint: a fresh start
         return
-    state = load_checkpoint(path)
+    try:
+        state = load_checkpoint(path)
+    except ConfigError as exc:
+        if "is not an ember.train checkpoint" not in str(exc):
+            raise
+        raise ConfigError(f"--resume {path}: not an ember checkpoint (ember train writes them "
+                          "to --out/checkpoints/last.pt)") from None
     saved, mine = state.get("model", {}), model.state_dict()
     if set(saved) != set(mine) or any(tuple(saved[k].shape) != tuple(v.shape)
                                       for k, v in mine.items()):
@@ -601,6 +641,8 @@ def run(args: argparse.Namespace) -> int:
     from ember.train.data import check_shards
 
     _check_args(args)
+    if args.resume not in (None, "auto") and (Path(args.resume) / "checkpoints" / "last.pt").is_file():
+        args.resume = str(Path(args.resume) / "checkpoints" / "last.pt")  # a run's --out folder
     args.image_size = _image_size(args.image_size)
     if args.image_size is not None:  # before any image is resized to it
         _check_batch_bytes(args, (1 if args.grayscale else 3, *args.image_size))
@@ -610,12 +652,67 @@ def run(args: argparse.Namespace) -> int:
     names = _class_names(args)
     guard = _prepare_out(args.out, args.resume, args.force)
     try:
-        status = _train(args, urls, names)
+        with _signals_as_interrupts():
+            status = _train(args, urls, names)
+    except (KeyboardInterrupt, _Terminated) as exc:
+        guard.failed()
+        code = 128 + exc.signum if isinstance(exc, _Terminated) else 130
+        raise _Interrupted(code, restored=guard.aside is not None) from None
     except BaseException:
         guard.failed()
         raise
     guard.succeeded()
     return status
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived (a scheduler's time limit, ``timeout``, a closed terminal):
+    handled like Ctrl-C, so --force puts the earlier run back."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Interrupted(Exception):
+    """The run ended by Ctrl-C or a termination signal, after --out was put in order."""
+
+    def __init__(self, status: int, restored: bool) -> None:
+        super().__init__(status)
+        self.status, self.restored = status, restored
+
+
+@contextlib.contextmanager
+def _signals_as_interrupts():
+    """SIGTERM (and SIGHUP where there is one) raise _Terminated in the main thread while the run
+    lasts; elsewhere (another thread) nothing changes."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Terminated(signum)
+
+    names = [n for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    previous = {n: signal.signal(getattr(signal, n), handler) for n in names}
+    try:
+        yield
+    finally:
+        for n, old in previous.items():
+            signal.signal(getattr(signal, n), old)
+
+
+def _interrupted_message(out: Path, restored: bool, checkpoint: Path | None = None) -> str:
+    """The one line for a run ended by Ctrl-C or a termination signal."""
+    if restored:
+        return (f"ember train: interrupted; the earlier run in {out} is back as it was (--force "
+                "replaces it only when the new run finishes), and this run was discarded")
+    if checkpoint is not None and checkpoint.exists():
+        return f"ember train: interrupted; continue with --resume auto from {checkpoint}"
+    return "ember train: interrupted before its first checkpoint; nothing to resume"
 
 
 def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None) -> int:
@@ -674,6 +771,12 @@ def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None) -
                   f"process(es): reading with {workers} worker(s) per process (each worker reads "
                   "whole shards)", flush=True)
         args.workers = workers
+    cpus = os.cpu_count() or 1
+    if args.workers > cpus and world.is_main:
+        print(f"--workers {args.workers} is more than the {cpus} CPUs here: more workers than "
+              "CPUs only help when reading waits on the network", flush=True)
+    # torch says the same in several lines, once per DataLoader
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
     if privacy is None:
         train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
                                    shuffle=args.shuffle_buffer, grayscale=args.grayscale,
@@ -686,7 +789,7 @@ def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None) -
             except (ImportError, ConnectionError) as exc:
                 raise ConfigError(f"--ray-address: {exc}") from None
         elif not args.no_progress:
-            batches = _batches_per_epoch(urls, args.batch_size)
+            batches = _batches_per_epoch(urls, args.batch_size, args.workers, args.skip_bad)
             if batches is not None:  # the progress bar's total
                 train = train.with_length(batches)
     elif args.ray_address is not None:

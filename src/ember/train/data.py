@@ -8,6 +8,7 @@ The convention is webdataset's: each sample has one image (``png``, ``jpg``, ``j
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -72,6 +73,32 @@ def resize_center_crop(image: Any, size: tuple[int, int]) -> Any:
     return image.crop((left, top, left + tw, top + th))
 
 
+@functools.lru_cache(maxsize=8)
+def _repeated_keys(url: str) -> frozenset[str]:
+    """The keys that stand more than once in a local shard (one header scan per shard, so that
+    --skip-bad over many such samples scans each shard once)."""
+    from collections import Counter
+
+    from ember.shards.errors import ShardError
+    from ember.shards.index import build_index
+
+    try:
+        counts = Counter(k for k, _, _ in build_index(url)["samples"])
+    except (ShardError, OSError):
+        return frozenset()
+    return frozenset(k for k, n in counts.items() if n > 1)
+
+
+def _apart_hint(key: str | None, url: str | None) -> str:
+    """Why a sample lacks a field when the cause is a tar whose members are not grouped by
+    sample (`tar cf` of a folder in directory order): the key comes back later in the shard."""
+    if key is None or url is None or local_path(url) is None or key not in _repeated_keys(url):
+        return ""
+    return ("; its files are not adjacent in the tar, so it reads as several samples: write "
+            "the shard with `tar --sort=name` (or `ember shards create`); `ember shards verify` "
+            "lists such samples")
+
+
 class ImageExample:
     """A decoded sample (PIL image and int class) -> ``(image tensor, label)``; errors name the
     shard, the sample key and the cause."""
@@ -89,10 +116,12 @@ class ImageExample:
         images = [k for k in sample if k[:2] != "__" and k.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS]
         if not images:
             raise DecodeError(f"sample {key!r} has no image field (fields: "
-                              f"{sorted(k for k in sample if k[:2] != '__')})", url)
+                              f"{sorted(k for k in sample if k[:2] != '__')})"
+                              f"{_apart_hint(key, url)}", url)
         if "cls" not in sample:
             raise DecodeError(f"sample {key!r} has no .cls label (fields: "
-                              f"{sorted(k for k in sample if k[:2] != '__')})", url)
+                              f"{sorted(k for k in sample if k[:2] != '__')})"
+                              f"{_apart_hint(key, url)}", url)
         label = sample["cls"]
         if isinstance(label, bool) or not isinstance(label, int):
             raise DecodeError(f"sample {key!r}: .cls is not an integer: {label!r}", url)

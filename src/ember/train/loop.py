@@ -675,7 +675,7 @@ def _fit(model, optimizer, train_loader, config, device, precision, loss_fn, sch
             epoch_lr = progress.epoch_lr
             bar.reset(total=_length(train_loader))
             bar.update(progress.micro)  # batches of this epoch done before a resume
-            bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
+            bar.set_description_str(f"epoch {epoch + 1}/{config.epochs}")
             for batch in _batches(train_loader):
                 x, y = _split_batch(batch, device)
                 closes_step = private.closes_step() if private is not None \
