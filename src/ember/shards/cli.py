@@ -8,8 +8,12 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import uuid
 import warnings
 from collections.abc import Callable
 
@@ -56,10 +60,33 @@ def _options(args) -> UrlOptions:
     return UrlOptions(allow_pipe=args.allow_pipe)
 
 
-def _progress(items, args, unit: str = "shard"):
-    """A tqdm progress bar on stderr (off with -q); closed by ``with`` so that it is finished
-    before any error message."""
-    return tqdm(items, disable=args.quiet, unit=unit, file=sys.stderr)
+@contextlib.contextmanager
+def _progress(items, args, unit: str = "shard", total: int | None = None):
+    """The items, counted by a tqdm progress bar on stderr (off with -q), used with ``with``.
+    The bar is first drawn once an item is done (so an input refused at once gives the error
+    line alone), drawn in full at a normal end, and wiped on an error so that the error message
+    is the line that remains."""
+    if total is None:
+        try:
+            total = len(items)
+        except (TypeError, AttributeError):
+            total = None
+    bar = tqdm(total=total, disable=args.quiet, unit=unit, file=sys.stderr, delay=0.05)
+
+    def counted():
+        for item in items:
+            yield item
+            bar.update(1)
+
+    try:
+        yield counted()
+    except BaseException:
+        bar.leave = False
+        raise
+    else:
+        bar.delay = 0  # a short run never drew the bar: draw its end
+    finally:
+        bar.close()
 
 
 def _ls(args) -> int:
@@ -290,10 +317,12 @@ def _check_overwrite(args) -> list[str]:
     return existing
 
 
-def _writer(args) -> ShardWriter:
-    return ShardWriter(args.output, maxcount=_count(args.maxcount),
-                       maxsize=_byte_size(args.maxsize), encode=False,
-                       post=_post(getattr(args, "post", None)))
+def _writer(args, pattern: str) -> ShardWriter:
+    """The writer of ``-o``'s shards under ``pattern`` (a temporary folder); ``--post`` runs on
+    the shards once they are in place."""
+    _post(getattr(args, "post", None))  # a bad --post is refused before anything is written
+    return ShardWriter(pattern, maxcount=_count(args.maxcount),
+                       maxsize=_byte_size(args.maxsize), encode=False)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -373,30 +402,106 @@ def _check_written(shards: list[str], keys: list[str]) -> None:
                          f"expected {len(keys)} ({what}); the output was removed")
 
 
+@contextlib.contextmanager
+def _no_interrupt():
+    """Hold Ctrl-C (SIGINT) back while files are moved into place or put back, so that a second
+    Ctrl-C cannot leave half a swap; a Ctrl-C held back is raised at the end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    try:
+        before = signal.signal(signal.SIGINT, lambda *_: held.append(1))
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.SIG_DFL)
+        if held:
+            raise KeyboardInterrupt
+
+
+def _check_out_folder(pattern: str) -> None:
+    """Refuse an output pattern whose folder cannot be made because a file stands in its way."""
+    path = os.path.dirname(os.path.abspath(shard_path(pattern, 0)))
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+    if not os.path.isdir(path):
+        raise ValueError(f"-o: {path} is a file, not a folder")
+
+
+def _aside(path: str, tmp: str, sub: str = "") -> str:
+    """Where ``path`` waits in the temporary folder ``tmp`` (a name) of its own folder (in its
+    subfolder ``sub``, if given)."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, tmp, sub, name) if sub else os.path.join(folder, tmp, name)
+
+
 def _write_all(args, urls: list[str], samples, join: bool = False,
-               finish: Callable[[], None] | None = None) -> int:
+               extra: dict[str, bytes] | None = None) -> int:
+    """Write ``samples`` as shards of ``-o`` all or nothing: the shards (and ``extra`` files,
+    path -> bytes) are written into a hidden temporary folder next to the output, read back,
+    and only then moved into place, the files they replace (``--force``) moved aside first and
+    deleted at the very end. Any failure or Ctrl-C puts the old files back, byte for byte."""
     _check_output(args.output, urls)
+    _check_out_folder(args.output)
     old = _check_overwrite(args)
-    w = _writer(args)
+    tmp = f".ember-writing-{uuid.uuid4().hex[:12]}"  # no '%' or braces: a pattern stays one
+    head, base = os.path.split(args.output)
+    w = _writer(args, os.path.join(head, tmp, base))
     keys: list[str] = []
+    moved: list[tuple[str, str]] = []  # (old file, where it waits)
+    placed: list[str] = []  # new files in their final place
+    done = False
     try:
         with w:
             for s in _unique_samples(samples, join):
                 w.write({k: v for k, v in s.items() if k != "__url__"})
                 keys.append(s["__key__"])
         _check_written(w.shards, keys)
-    except BaseException:
-        for path in w.shards:  # a failed command leaves no output shards at all
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        raise
-    written = {os.path.abspath(p) for p in w.shards}
-    for path in old:  # --force: old shards beyond the new ones and every old .idx go
-        if os.path.abspath(path) not in written:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-    if finish is not None:
-        finish()
+        new = [(p, os.path.join(os.path.dirname(os.path.dirname(p)), os.path.basename(p)))
+               for p in w.shards]
+        for path, data in (extra or {}).items():
+            staged = _aside(path, tmp)
+            os.makedirs(os.path.dirname(staged), exist_ok=True)
+            with open(staged, "wb") as f:
+                f.write(data)
+            new.append((staged, path))
+        with _no_interrupt():
+            known = {os.path.abspath(p) for p in old}
+            replaced = [*old, *(f for _, f in new
+                                if os.path.lexists(f) and os.path.abspath(f) not in known)]
+            for path in replaced:
+                waiting = _aside(path, tmp, "old")
+                os.makedirs(os.path.dirname(waiting), exist_ok=True)
+                os.replace(path, waiting)
+                moved.append((path, waiting))
+            for staged, final in new:
+                os.replace(staged, final)
+                placed.append(final)
+        post = _post(getattr(args, "post", None))
+        if post is not None:
+            for _, final in new[: len(w.shards)]:
+                post(final)
+        done = True
+        args.written = True  # for the message of a Ctrl-C that comes from here on
+    finally:
+        with _no_interrupt():
+            if not done:  # a failed command leaves no new files and every old one as it was
+                for path in placed:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                for path, waiting in reversed(moved):
+                    os.replace(waiting, path)
+            folders = {os.path.dirname(shard_path(w.pattern, i)) for i in range(w.shard)}
+            folders |= {os.path.dirname(_aside(p, tmp)) for p in [*(extra or {}), *old]}
+            for folder in folders:  # the temporary folders: partial shards, old files
+                shutil.rmtree(folder, ignore_errors=True)
     n = len(w.shards)
     print(f"wrote {w.total} sample{'s' * (w.total != 1)} to {n} shard{'s' * (n != 1)} (read back "
           "and checked)"
@@ -453,26 +558,38 @@ def _shuffle(args) -> int:
         return _write_all(args, urls, ({**read_sample(u, span), "__url__": u} for u, span in bar))
 
 
-def _folder_images(root: str, classes: list[str]) -> tuple[list[tuple[int, str, str, str]],
-                                                              list[str], list[tuple[str, str]]]:
+def _hidden(name: str) -> bool:
+    """A hidden file or folder (``.DS_Store``, macOS's ``._photo.jpg``, ``.git``): left out."""
+    return name.startswith(".")
+
+
+def _folder_images(root: str, classes: list[str]
+                   ) -> tuple[list[tuple[int, str, str, str]], list[str], list[str],
+                              list[tuple[str, str]]]:
     """Every image file of an ImageFolder, as ``(class index, class name, sample key, path)``;
-    then the files left out (not an image by their extension) and the ``(path, key)`` pairs whose
-    key is not simply ``class/relative path without extension``.
+    then the files left out as not an image by their extension, the hidden files and folders
+    left out (name starting with ``.``; a hidden folder counts once) and the ``(path, key)``
+    pairs whose key is not simply ``class/relative path without extension``.
 
     Class folders are walked recursively (as torchvision's ``ImageFolder``), so ``cat/2021/a.jpg``
     becomes ``cat/2021/a``. WebDataset splits a member name at the first dot of its last
     component, so dots in a file's stem become ``_``; two files that would share a key
     (``x.jpg`` and ``x.png``) get their extension appended (``x_jpg``, ``x_png``) and, if
-    still equal, a counter."""
-    found, skipped, renamed = [], [], []
+    still equal, a counter. A class folder without an image is refused (as torchvision's
+    ``ImageFolder`` does)."""
+    found, skipped, hidden, renamed, empty = [], [], [], [], []
     for index, name in enumerate(classes):
         top = os.path.join(root, name)
         entries = []  # (relative folder, file name, path)
         for folder, dirs, files in os.walk(top, followlinks=True):
-            dirs.sort()
+            hidden += [os.path.join(folder, d) for d in sorted(dirs) if _hidden(d)]
+            dirs[:] = sorted(d for d in dirs if not _hidden(d))
             rel = os.path.relpath(folder, top).replace(os.sep, "/")
             for fname in sorted(files):
-                entries.append(("" if rel == "." else rel, fname, os.path.join(folder, fname)))
+                if _hidden(fname):
+                    hidden.append(os.path.join(folder, fname))
+                else:
+                    entries.append(("" if rel == "." else rel, fname, os.path.join(folder, fname)))
         plain: dict[str, list[tuple[str, str, str]]] = {}  # wanted key -> (file name, ext, path)
         for rel, fname, path in entries:
             stem, dot, ext = fname.rpartition(".")
@@ -481,6 +598,8 @@ def _folder_images(root: str, classes: list[str]) -> tuple[list[tuple[int, str, 
                 continue
             prefix = f"{name}/{rel}/" if rel else f"{name}/"
             plain.setdefault(prefix + stem.replace(".", "_"), []).append((fname, ext, path))
+        if not plain:
+            empty.append(top)
         used: set[str] = set()
         chosen = []
         for key, files in plain.items():
@@ -495,7 +614,15 @@ def _folder_images(root: str, classes: list[str]) -> tuple[list[tuple[int, str, 
                     renamed.append((path, final))
                 chosen.append((index, name, final, path))
         found.extend(sorted(chosen, key=lambda t: t[3]))
-    return found, skipped, renamed
+    if not found:
+        raise ValueError(f"{root} has no image files in its class subfolders (by extension: "
+                         f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
+    if empty:
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise ValueError(f"class folder {empty[0]}{more} has no image files; every class needs "
+                         "at least one (as torchvision's ImageFolder), so add images or remove "
+                         "the folder")
+    return found, skipped, hidden, renamed
 
 
 def _folder_samples(images: list[tuple[int, str, str, str]]):
@@ -506,18 +633,29 @@ def _folder_samples(images: list[tuple[int, str, str, str]]):
         yield {"__key__": key, ext: data, "cls": str(index).encode(), "__path__": path}
 
 
-def _say_left_out(skipped: list[str], renamed: list[tuple[str, str]]) -> None:
-    """One line each for files that are not images and for keys that differ from file names."""
-    if skipped:
-        n = len(skipped)
-        print(f"ember shards create: left out {n} file{'s' * (n != 1)} that {'is' if n == 1 else 'are'}"
-              f" not an image by its extension (first: {skipped[0]})", file=sys.stderr)
+def _say_left_out(skipped: list[str], hidden: list[str], renamed: list[tuple[str, str]]
+                  ) -> None:
+    """One line for the files left out (hidden, or not an image) and one for keys that differ
+    from file names."""
+    if skipped or hidden:
+        n = len(skipped) + len(hidden)
+        why = []
+        if hidden:
+            why.append(f"{len(hidden)} hidden (name starting with '.')")
+        if skipped:
+            why.append(f"{len(skipped)} not an image by {'its' if len(skipped) == 1 else 'their'}"
+                       " extension")
+        noun = "file or folder" if n == 1 else "files or folders"
+        if not any(os.path.isdir(p) for p in hidden):
+            noun = "file" if n == 1 else "files"
+        print(f"ember shards create: left out {n} {noun}: "
+              f"{', '.join(why)} (first: {(hidden or skipped)[0]})", file=sys.stderr)
     if renamed:
         n = len(renamed)
         path, key = renamed[0]
-        print(f"ember shards create: {n} sample key{'s' * (n != 1)} differ from the file names "
-              f"(dots in a name, or one name in two formats; first: {path} -> key {key!r})",
-              file=sys.stderr)
+        print(f"ember shards create: {n} sample key{'s differ' if n != 1 else ' differs'} from "
+              f"the file name{'s' * (n != 1)} (dots in a name, or one name in two formats; "
+              f"first: {path} -> key {key!r})", file=sys.stderr)
 
 
 def _image_problem(data: bytes) -> str | None:
@@ -594,18 +732,25 @@ def _create(args) -> int:
     if src == "-":  # a tar stream on standard input: what `split -` does
         with _progress(_checked_images(_read("-"), "standard input"), args, unit="sample") as bar:
             return _write_all(args, ["-"], bar, join=True)
-    finish = None
+    extra = None
     total = None
     if args.list:
+        if not os.path.isfile(src):
+            raise ValueError(f"--list {src}: not a file")
+        _check_out_folder(args.output)
+        _check_overwrite(args)  # refused before anything is said or read
         samples = _list_samples(src)
     else:
         if not os.path.isdir(src):
             raise ValueError(f"{src} is not a folder (ImageFolder layout: one subfolder per "
                              "class); use --list for a file of paths, or '-' for a tar stream on "
                              "standard input")
-        classes = sorted(e for e in os.listdir(src) if os.path.isdir(os.path.join(src, e)))
+        tops = sorted(e for e in os.listdir(src) if os.path.isdir(os.path.join(src, e)))
+        classes = [e for e in tops if not _hidden(e)]
         if not classes:
             raise ValueError(f"{src} has no class subfolders (ImageFolder layout)")
+        _check_out_folder(args.output)
+        _check_overwrite(args)  # refused before anything is said or read
         out_dir = os.path.dirname(os.path.abspath(shard_path(args.output, 0)))
         classes_path = os.path.join(out_dir, "classes.json")
         if os.path.exists(classes_path) and not args.force:
@@ -614,23 +759,15 @@ def _create(args) -> int:
             if not same:
                 raise ValueError(f"{classes_path} already exists and names other classes; "
                                  "pass --force to replace it, or write to another folder")
-        os.makedirs(out_dir, exist_ok=True)
-
-        def finish() -> None:  # written once the shards are: a failed run leaves nothing
-            with open(classes_path, "w", encoding="utf-8") as f:
-                json.dump({"classes": classes}, f)
-
-        images, skipped, renamed = _folder_images(src, classes)
-        if not images:
-            raise ValueError(f"{src} has no image files in its class subfolders (by extension: "
-                             f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
-        _say_left_out(skipped, renamed)
+        # written with the shards, all or nothing
+        extra = {classes_path: json.dumps({"classes": classes}).encode("utf-8")}
+        images, skipped, hidden, renamed = _folder_images(src, classes)
+        hidden[:0] = [os.path.join(src, e) for e in tops if _hidden(e)]
+        _say_left_out(skipped, hidden, renamed)
         total = len(images)
         samples = _folder_samples(images)
-    bar = tqdm(_checked_images(samples, src), total=total, disable=args.quiet, unit="sample",
-               file=sys.stderr)
-    with bar:
-        return _write_all(args, [], bar, finish=finish)
+    with _progress(_checked_images(samples, src), args, unit="sample", total=total) as bar:
+        return _write_all(args, [], bar, extra=extra)
 
 
 def _index(args) -> int:
@@ -645,6 +782,17 @@ def _index(args) -> int:
     return 0
 
 
+_WRITERS = ("split", "merge", "shuffle", "create")  # the actions that write shards (-o)
+
+
+def _any_outputs(pattern: str) -> bool:
+    """Whether shards (or .idx files) of ``pattern`` are there (False for a bad pattern)."""
+    try:
+        return bool(_existing_outputs(pattern))
+    except ValueError:
+        return False
+
+
 def _guarded(name: str, fn: Callable) -> Callable:
     """Run ``fn(args)``, turning bad input (a shard error, a bad argument) into a one-line
     message and exit status 2 instead of a traceback."""
@@ -652,6 +800,17 @@ def _guarded(name: str, fn: Callable) -> Callable:
     def run(args) -> int:
         try:
             return fn(args)
+        except KeyboardInterrupt:  # Ctrl-C: one line, and the status of a SIGINT
+            if name not in _WRITERS:
+                what = ""
+            elif getattr(args, "written", False):
+                what = f"; the new shards of -o {args.output} were written"
+            elif args.force and _any_outputs(args.output):
+                what = "; nothing was written, the earlier shards are unchanged"
+            else:
+                what = "; nothing was written"
+            print(f"ember shards {name}: interrupted{what}", file=sys.stderr)
+            return 130
         except (ShardError, ValueError, OSError, ImportError) as exc:
             # in the command's own terms: the flag, not the Python argument
             message = " ".join(str(exc).replace("pass allow_pipe=True", "pass --allow-pipe")
@@ -708,9 +867,11 @@ def register(subparsers) -> None:
                            help="bytes per shard, with an optional unit: 500MB, 1GB, 1GiB "
                            "(default: 3GB)")
             q.add_argument("--force", action="store_true", help="replace shards (and .idx "
-                           "files) of the output pattern that already exist")
-            q.add_argument("--post", default=None, help="command run on each finished shard "
-                           "({} is its path; e.g. 'aws s3 cp {} s3://bucket/'); a failure stops")
+                           "files) of the output pattern that already exist; all or nothing: a "
+                           "failed or interrupted run leaves them as they were")
+            q.add_argument("--post", default=None, help="command run on each new shard once "
+                           "all are written, checked and in place ({} is its path; e.g. 'aws s3 "
+                           "cp {} s3://bucket/'); a failure stops and puts the old files back")
         if name == "shuffle":
             q.add_argument("--seed", type=int, default=0)
             q.add_argument("--buffer", type=int, default=0,
