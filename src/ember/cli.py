@@ -93,12 +93,16 @@ def _command(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
-    parser = build_parser([command] if command else [])
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
-    return int(args.func(args) or 0)
+    try:
+        parser = build_parser([command] if command else [])  # imports torch: seconds
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # before or after the command's own handling (imports, exit)
+        print(f"ember{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -172,7 +172,9 @@ def test_keyboard_interrupt_is_one_line_and_status_130(big, old_output, action, 
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to another process is POSIX")
-def test_sigint_during_create_force_exits_130_with_old_shards_intact(big, old_output, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_during_create_force_leaves_the_old_shards_intact(sig, big, old_output,
+                                                                    tmp_path):
     out, before = old_output
     started = tmp_path / "post-started"
     # --post runs once the new shards are in place: Ctrl-C there must still restore the old set
@@ -188,9 +190,10 @@ def test_sigint_during_create_force_exits_130_with_old_shards_intact(big, old_ou
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    signum = getattr(signal, sig)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err.decode()
+    assert proc.returncode == 128 + signum, err.decode()
     assert err.decode().splitlines() == ["ember shards create: interrupted; nothing was written, "
                                          "the earlier shards are unchanged"]
     assert snapshot(out) == before

@@ -404,23 +404,68 @@ def _check_written(shards: list[str], keys: list[str]) -> None:
 
 @contextlib.contextmanager
 def _no_interrupt():
-    """Hold Ctrl-C (SIGINT) back while files are moved into place or put back, so that a second
-    Ctrl-C cannot leave half a swap; a Ctrl-C held back is raised at the end."""
+    """Hold Ctrl-C (SIGINT), SIGTERM and SIGHUP back while files are moved into place or put
+    back, so that no signal can leave half a swap; the first one held back is raised at the
+    end."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held: list[int] = []
+    before = {}
     try:
-        before = signal.signal(signal.SIGINT, lambda *_: held.append(1))
+        for signum in _STOP_SIGNALS:
+            before[signum] = signal.signal(signum, lambda n, _frame: held.append(n))
     except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        for signum, old in before.items():
+            signal.signal(signum, old)
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before if before is not None else signal.SIG_DFL)
+        for signum, old in before.items():
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
         if held:
-            raise KeyboardInterrupt
+            raise _Stopped(held[0])
+
+
+# the signals that end a command the way Ctrl-C does: the terminal's Ctrl-C, `kill` / `timeout` /
+# a scheduler's limit, a closed terminal
+_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP")
+                      if hasattr(signal, n))
+
+
+class _Stopped(KeyboardInterrupt):
+    """A stop signal turned into an exception (SIGINT arrives as KeyboardInterrupt itself)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+    """SIGTERM and SIGHUP raise _Stopped in the main thread while a command runs, so that its
+    clean-up runs as for Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stopped(signum)
+
+    before = {}
+    try:
+        for signum in _STOP_SIGNALS:
+            if signum != signal.SIGINT:
+                before[signum] = signal.signal(signum, stop)
+    except (ValueError, OSError):
+        pass
+    try:
+        yield
+    finally:
+        for signum, old in before.items():
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
 
 
 def _check_out_folder(pattern: str) -> None:
@@ -799,8 +844,9 @@ def _guarded(name: str, fn: Callable) -> Callable:
 
     def run(args) -> int:
         try:
-            return fn(args)
-        except KeyboardInterrupt:  # Ctrl-C: one line, and the status of a SIGINT
+            with _stop_signals_raise():
+                return fn(args)
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: one line, the signal's status
             if name not in _WRITERS:
                 what = ""
             elif getattr(args, "written", False):
@@ -810,7 +856,7 @@ def _guarded(name: str, fn: Callable) -> Callable:
             else:
                 what = "; nothing was written"
             print(f"ember shards {name}: interrupted{what}", file=sys.stderr)
-            return 130
+            return 128 + exc.signum if isinstance(exc, _Stopped) else 130
         except (ShardError, ValueError, OSError, ImportError) as exc:
             # in the command's own terms: the flag, not the Python argument
             message = " ".join(str(exc).replace("pass allow_pipe=True", "pass --allow-pipe")

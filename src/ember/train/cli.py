@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,8 @@ _DEFAULT_MAX_SIDE = 64
 # bounds that keep a typo from allocating the machine away (a clear error instead)
 _MAX_PARAMETERS = 2**28
 _FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+_MAX_EPSILON = 100.0
 _MAX_BATCH_BYTES = 2**32  # 4 GiB of float32 pixels per batch
 _LIMITS = {"hidden": 2**20, "batch_size": 2**20, "epochs": 10**6, "accumulate": 2**20,
            "workers": 1024, "shuffle_buffer": 10**8, "checkpoint_every": 10**12,
@@ -156,8 +159,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="first epoch (0-based) of the SWA phase: SWALR to --swa-lr, SWA (and SWAG "
                       "with --swag-rank) collected after every epoch (default: no SWA)")
     loop.add_argument("--swa-lr", type=float, default=None, help="SWA learning rate (default: lr/2)")
-    loop.add_argument("--swa-anneal-epochs", type=int, default=1, metavar="N",
-                      help="epochs of cosine annealing to --swa-lr (default: %(default)s)")
+    loop.add_argument("--swa-anneal-epochs", type=int, default=None, metavar="N",
+                      help="epochs of cosine annealing to --swa-lr (default: 1)")
     loop.add_argument("--swag-rank", type=int, default=0, metavar="K",
                       help="also collect a SWAG posterior of this deviation rank (the paper: 20); "
                       "0 collects SWA only (default: %(default)s)")
@@ -169,8 +172,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="delta of the DP guarantee (below 1/dataset size, e.g. 1e-5)")
     dp.add_argument("--max-grad-norm", type=float, default=None, metavar="C",
                     help="per-example gradient clipping bound for DP-SGD")
-    dp.add_argument("--dp-accountant", choices=("rdp", "prv"), default="rdp",
-                    help="privacy accountant (default: %(default)s)")
+    dp.add_argument("--dp-accountant", choices=("rdp", "prv"), default=None,
+                    help="privacy accountant (default: rdp)")
     dp.add_argument("--keep-checkpoints", action="store_true",
                     help="keep checkpoints/last.pt after a successful DP-SGD run (it holds the "
                     "noise key: owner-only, never publish it); by default it is removed")
@@ -278,6 +281,9 @@ def _main(args: argparse.Namespace) -> int:
     except (_Interrupted, KeyboardInterrupt) as exc:
         out = Path(getattr(args, "out", None) or ".")
         restored = isinstance(exc, _Interrupted) and exc.restored
+        # the process is ending: DataLoader iterators whose workers the signal also stopped
+        # would print "Exception ignored in ..." tracebacks when collected
+        sys.unraisablehook = lambda unraisable: None
         print(_interrupted_message(out, restored, out / "checkpoints" / "last.pt"),
               file=sys.stderr)
         return exc.status if isinstance(exc, _Interrupted) else 130
@@ -323,6 +329,9 @@ def _check_args(args: argparse.Namespace) -> None:
             # the model trains in float32: torch cannot turn a larger factor into one
             raise ConfigError(f"--{name.replace('_', '-')} must be at most {_FLOAT32_MAX:.3g} "
                               f"(float32's largest number), got {value:g}")
+        if value is not None and name in ("lr", "swa_lr", "swap_lr") and 0 < value < _FLOAT32_TINY:
+            raise ConfigError(f"--{name.replace('_', '-')} {value:g} is 0 in float32, in which the "
+                              f"model trains (the smallest rate is {_FLOAT32_TINY:.3g})")
     if args.ray_address is not None and args.workers:
         raise ConfigError("--workers applies to local reading; with --ray-address the Ray "
                           "cluster's CPUs read the shards (drop --workers)")
@@ -336,7 +345,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.swag_rank < 0:
         raise ConfigError(f"--swag-rank must be >= 0, got {args.swag_rank}")
     if args.swa_start is None:
-        for flag, value in (("--swa-lr", args.swa_lr), ("--swag-rank", args.swag_rank or None)):
+        for flag, value in (("--swa-lr", args.swa_lr), ("--swag-rank", args.swag_rank or None),
+                            ("--swa-anneal-epochs", args.swa_anneal_epochs)):
             if value is not None:
                 raise ConfigError(f"{flag} needs --swa-start (the epoch where averaging starts)")
     if args.dp_noise_multiplier is not None:
@@ -358,8 +368,13 @@ def _check_args(args: argparse.Namespace) -> None:
     dp = (args.dp_epsilon, args.dp_delta, args.max_grad_norm)
     if any(v is not None for v in dp) and any(v is None for v in dp):
         raise ConfigError("DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm")
-    if args.dp_epsilon is not None and not args.dp_epsilon > 0:
-        raise ConfigError(f"--dp-epsilon must be > 0, got {args.dp_epsilon:g}")
+    if args.dp_epsilon is not None and not 0 < args.dp_epsilon <= _MAX_EPSILON:
+        raise ConfigError(f"--dp-epsilon must be in (0, {_MAX_EPSILON:g}], got "
+                          f"{args.dp_epsilon:g} (above {_MAX_EPSILON:g} the guarantee, a factor "
+                          f"of e**epsilon, says nothing)")
+    if args.dp_accountant is not None and args.dp_epsilon is None:
+        raise ConfigError("--dp-accountant is for DP-SGD runs (--dp-epsilon, --dp-delta, "
+                          "--max-grad-norm)")
     if args.dp_delta is not None and not 0 < args.dp_delta < 1:
         raise ConfigError(f"--dp-delta must be in (0, 1), got {args.dp_delta:g}")
     if args.max_grad_norm is not None and not args.max_grad_norm > 0:
@@ -447,15 +462,17 @@ class _OutGuard:
     def failed(self) -> None:
         if not self.main:
             return
-        with contextlib.suppress(OSError):
+        # nothing may stop the restore half way: a second Ctrl-C or SIGTERM is held back, and
+        # torch's SIGCHLD handler (which raises once a DataLoader worker has died) is paused
+        with _signals_held():
             checkpoint = self.out / "checkpoints" / "last.pt"
             if self.aside is not None or (self.fresh and not checkpoint.exists()):
                 for name in _RUN_FILES:  # this run's files: nothing of them is worth keeping
-                    (self.out / name).unlink(missing_ok=True)
-                    (self.out / (name + ".writing")).unlink(missing_ok=True)
+                    _persist(lambda n=name: (self.out / n).unlink(missing_ok=True))
+                    _persist(lambda n=name: (self.out / (n + ".writing")).unlink(missing_ok=True))
             if self.aside is not None:
                 for name in self.moved:
-                    os.replace(self.aside / name, self.out / name)
+                    _persist(lambda n=name: os.replace(self.aside / n, self.out / n))
                 import shutil
 
                 shutil.rmtree(self.aside, ignore_errors=True)
@@ -468,6 +485,41 @@ class _OutGuard:
             import shutil
 
             shutil.rmtree(self.aside, ignore_errors=True)
+
+
+def _persist(step: Callable[[], object], tries: int = 3) -> None:
+    """Run one step of putting --out back, trying again after an exception that interrupted it
+    (an OSError that stays is given up: the step's file is then left where it is)."""
+    for attempt in range(tries):
+        try:
+            step()
+            return
+        except BaseException:  # noqa: BLE001 - a restore must finish whatever interrupted it
+            if attempt == tries - 1:
+                return
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT, SIGTERM and SIGHUP ignored and SIGCHLD at its default while the block runs (in
+    the main thread; elsewhere nothing changes): the run is ending already."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    changes = {n: signal.SIG_IGN for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)}
+    if hasattr(signal, "SIGCHLD"):
+        changes["SIGCHLD"] = signal.SIG_DFL
+    previous = {}
+    try:
+        for n, action in changes.items():
+            previous[n] = signal.signal(getattr(signal, n), action)
+        yield
+    finally:
+        for n, old in previous.items():
+            signal.signal(getattr(signal, n), old if old is not None else signal.SIG_DFL)
 
 
 def _prepare_out(out: Path, resume: str | None, force: bool) -> _OutGuard:
@@ -500,9 +552,15 @@ def _class_names(args: argparse.Namespace) -> list[str] | None:
     """The class names of classes.json next to --data; sets --num-classes from them if unset."""
     from ember.train.data import read_class_names
 
-    names = read_class_names(args.data)
+    try:
+        names = read_class_names(args.data)
+    except ConfigError as exc:
+        raise ConfigError(f"--data: {exc}") from None
     if args.eval_data:
-        eval_names = read_class_names(args.eval_data)
+        try:
+            eval_names = read_class_names(args.eval_data)
+        except ConfigError as exc:
+            raise ConfigError(f"--eval-data: {exc}") from None
         if eval_names is not None and names is not None and eval_names != names:
             raise ConfigError(f"the classes.json next to --eval-data names other classes than "
                               f"the one next to --data ({', '.join(eval_names[:4])}"
@@ -630,6 +688,11 @@ def _check_resume(args: argparse.Namespace, model: nn.Module) -> None:
                           f"{args.image_size[0]}x{args.image_size[1]}, --grayscale "
                           f"{'on' if args.grayscale else 'off'}, {args.num_classes} classes); "
                           "pass the options of the run that wrote it")
+    if (state.get("privacy") is not None) != (args.dp_epsilon is not None):
+        had = "with" if state.get("privacy") is not None else "without"
+        raise ConfigError(f"--resume {path}: that run was trained {had} DP-SGD; resume it "
+                          f"{had} --dp-epsilon/--dp-delta/--max-grad-norm, or start a new run "
+                          "in another --out")
     done = int(state.get("progress", {}).get("epoch", 0))
     if done >= args.epochs:
         raise ConfigError(f"--resume {path}: that run already finished {done} of --epochs "
@@ -729,7 +792,8 @@ def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None) -
         max_grad_norm=args.clip_grad_norm, swa_start=args.swa_start,
         swa_lr=(args.swa_lr if args.swa_lr is not None else args.lr / 2)
         if args.swa_start is not None else args.swa_lr,
-        swa_anneal_epochs=args.swa_anneal_epochs, swag_rank=args.swag_rank or None,
+        swa_anneal_epochs=1 if args.swa_anneal_epochs is None else args.swa_anneal_epochs,
+        swag_rank=args.swag_rank or None,
         seed=None if args.seed == -1 else args.seed,
         checkpoint_dir=args.out / "checkpoints", checkpoint_every=args.checkpoint_every,
         resume=args.resume, metrics_path=args.out / "metrics.jsonl", progress=not args.no_progress)
@@ -739,7 +803,7 @@ def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None) -
         from ember.train.privacy import PrivacyConfig
 
         privacy = PrivacyConfig(epsilon=args.dp_epsilon, delta=args.dp_delta,
-                                max_grad_norm=args.max_grad_norm, accountant=args.dp_accountant)
+                                max_grad_norm=args.max_grad_norm, accountant=args.dp_accountant or "rdp")
         privacy.check()
 
     world = init_from_env()  # before building loaders, so each rank reads its own shards

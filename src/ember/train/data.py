@@ -141,13 +141,34 @@ class ImageExample:
 
 
 def read_class_names(urls: str | Sequence[str]) -> list[str] | None:
-    """The class names of ``classes.json`` (``{"classes": [...]}``, as ``ember shards create``
-    writes it) next to the first local shard, or None when there is none."""
-    expanded = expand_urls(urls)
-    path = local_path(expanded[0]) if expanded else None
-    if path is None:
-        return None
-    file = os.path.join(os.path.dirname(os.path.abspath(path)), "classes.json")
+    """The class names of the ``classes.json`` files (``{"classes": [...]}``, as ``ember shards
+    create`` writes them) next to the local shards, or None when there is none. Folders whose
+    files name other classes are a ConfigError: a label would mean one class in one folder and
+    another in the next."""
+    folders: list[str] = []
+    for url in expand_urls(urls):
+        path = local_path(url)
+        folder = os.path.dirname(os.path.abspath(path)) if path is not None else None
+        if folder is not None and folder not in folders:
+            folders.append(folder)
+    names, where = None, None
+    for folder in folders:
+        mine = _class_file(os.path.join(folder, "classes.json"))
+        if mine is None:
+            continue
+        if names is not None and mine != names:
+            raise ConfigError(f"the classes.json files in {where} and {folder} name other "
+                              f"classes ({_some(names)} against {_some(mine)}): a label would "
+                              "not mean one class; write all shards with one class list")
+        names, where = mine, folder
+    return names
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _class_file(file: str) -> list[str] | None:
     if not os.path.isfile(file):
         return None
     try:

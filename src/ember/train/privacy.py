@@ -115,6 +115,11 @@ class PrivacyConfig:
                               "not both")
         if self.epsilon is not None and (not number(self.epsilon) or not self.epsilon > 0):
             raise ConfigError(f"privacy epsilon must be > 0, got {self.epsilon!r}")
+        if self.epsilon is not None and self.epsilon > 100:
+            # the guarantee is a factor of e**epsilon; Opacus's search for a noise multiplier
+            # does not end for targets like 1e20
+            raise ConfigError(f"privacy epsilon must be at most 100, got {self.epsilon!r} (the "
+                              "guarantee, a factor of e**epsilon, says nothing above that)")
         if self.noise_multiplier is not None and (not number(self.noise_multiplier)
                                                   or not self.noise_multiplier > 0):
             raise ConfigError(f"privacy noise_multiplier must be > 0, got {self.noise_multiplier!r}")
