@@ -403,30 +403,36 @@ def _check_written(shards: list[str], keys: list[str]) -> None:
 
 
 @contextlib.contextmanager
+def _signal_handlers(signums: tuple[int, ...], handler):
+    """Install ``handler`` for ``signums`` in the main thread and put the old handlers back at
+    the end; yields whether it could (not outside the main thread or in an embedded
+    interpreter)."""
+    before = {}
+    if threading.current_thread() is threading.main_thread():
+        try:
+            for signum in signums:
+                before[signum] = signal.signal(signum, handler)
+        except (ValueError, OSError):
+            for signum, old in before.items():
+                signal.signal(signum, old)
+            before = {}
+    try:
+        yield bool(before)
+    finally:
+        for signum, old in before.items():
+            signal.signal(signum, old if old is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
 def _no_interrupt():
     """Hold Ctrl-C (SIGINT), SIGTERM and SIGHUP back while files are moved into place or put
     back, so that no signal can leave half a swap; the first one held back is raised at the
     end."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     held: list[int] = []
-    before = {}
-    try:
-        for signum in _STOP_SIGNALS:
-            before[signum] = signal.signal(signum, lambda n, _frame: held.append(n))
-    except (ValueError, OSError):  # no signals here (an embedded interpreter)
-        for signum, old in before.items():
-            signal.signal(signum, old)
+    with _signal_handlers(_STOP_SIGNALS, lambda n, _frame: held.append(n)):
         yield
-        return
-    try:
-        yield
-    finally:
-        for signum, old in before.items():
-            signal.signal(signum, old if old is not None else signal.SIG_DFL)
-        if held:
-            raise _Stopped(held[0])
+    if held:
+        raise _Stopped(held[0])
 
 
 # the signals that end a command the way Ctrl-C does: the terminal's Ctrl-C, `kill` / `timeout` /
@@ -443,29 +449,14 @@ class _Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-@contextlib.contextmanager
 def _stop_signals_raise():
     """SIGTERM and SIGHUP raise _Stopped in the main thread while a command runs, so that its
     clean-up runs as for Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def stop(signum: int, _frame: object) -> None:
         raise _Stopped(signum)
 
-    before = {}
-    try:
-        for signum in _STOP_SIGNALS:
-            if signum != signal.SIGINT:
-                before[signum] = signal.signal(signum, stop)
-    except (ValueError, OSError):
-        pass
-    try:
-        yield
-    finally:
-        for signum, old in before.items():
-            signal.signal(signum, old if old is not None else signal.SIG_DFL)
+    return _signal_handlers(tuple(n for n in _STOP_SIGNALS if n != signal.SIGINT), stop)
 
 
 def _check_out_folder(pattern: str) -> None:
