@@ -15,9 +15,29 @@
  *     words: n uint32; out: n float32, either the same memory as words or disjoint from it.
  *     out[i] = (float)(words[i] & (2**bits - 1)) * scale, one float32 multiplication
  *     (the integer is below 2**24, so its conversion is exact), as NumPy computes it.
+ *
+ * normal_inputs(words, m, group, bits, angle, r, th, wide)
+ *     Box-Muller's inputs for m pairs. words: at least 2m words (the first 2m are read) of 4 bytes (wide = 0, float32 values) or
+ *     8 bytes (wide = 1, float64), in groups of `group` pairs (the last group may be smaller): a
+ *     group of s pairs holds s radius words, then s angle words. With k = word & (2**bits - 1):
+ *     r[j] = (k + 1) * 2**-bits (exact), th[j] = k * angle (one rounding in the value's dtype).
+ *     r and th: m values each, disjoint from words.
+ *
+ * normal_outputs(logr, c, s, m, group, z, wide)
+ *     rad = sqrt(-2 * logr[j]); the cosine value c[j] * rad goes to z at the pair's place in the
+ *     first half of its group, the sine value s[j] * rad at the same place in the second half.
+ *     c and s may be z's own halves (a single group, read before written).
+ *
+ * Every step of both is one IEEE operation in the value's own dtype, as NumPy's ufuncs do them,
+ * so the values equal those of the NumPy formulations bit for bit. That needs floats evaluated in
+ * their own precision (FLT_EVAL_METHOD 0, e.g. not x87): elsewhere the two functions are not
+ * built and the NumPy formulations run. No step multiplies and adds, so no fused multiply-add
+ * can change a rounding.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -114,11 +134,172 @@ static PyObject *transforms_unit_float32(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD == 0
+#define EMBER_EXACT_FLOATS 1
+
+static PyObject *transforms_normal_inputs(PyObject *self, PyObject *args)
+{
+    PyObject *wo, *ro, *to;
+    Py_ssize_t m, group;
+    int bits, wide;
+    double angle;
+    Py_buffer wv, rv, tv;
+    if (!PyArg_ParseTuple(args, "OnnidOOp", &wo, &m, &group, &bits, &angle, &ro, &to, &wide))
+        return NULL;
+    Py_ssize_t isz = wide ? 8 : 4;
+    if (bits < 1 || bits > (wide ? 53 : 24) || m < 0 || group < 1) {
+        PyErr_Format(PyExc_ValueError, "normal_inputs: bad m=%zd, group=%zd or bits=%d",
+                     m, group, bits);
+        return NULL;
+    }
+    if (get_buffer(wo, &wv, 0, isz, "words") < 0)
+        return NULL;
+    if (get_buffer(ro, &rv, 1, isz, "r") < 0) {
+        PyBuffer_Release(&wv);
+        return NULL;
+    }
+    if (get_buffer(to, &tv, 1, isz, "th") < 0) {
+        PyBuffer_Release(&wv);
+        PyBuffer_Release(&rv);
+        return NULL;
+    }
+    if (wv.len < 2 * m * isz || rv.len != m * isz || tv.len != m * isz) {
+        PyErr_SetString(PyExc_ValueError,
+                        "normal_inputs: words must hold at least 2m items, r and th m");
+        PyBuffer_Release(&wv);
+        PyBuffer_Release(&rv);
+        PyBuffer_Release(&tv);
+        return NULL;
+    }
+    const char *w = (const char *)wv.buf;
+    char *r = (char *)rv.buf, *th = (char *)tv.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t start = 0; start < m; start += group) {
+        /* the group starting at pair `start`: its words from 2 * start, `size` pairs */
+        const Py_ssize_t base = 2 * start, size = (m - start) < group ? (m - start) : group;
+        if (wide) {
+            const uint64_t mask = (1ULL << bits) - 1;
+            const double unit = ldexp(1.0, -bits);
+            for (Py_ssize_t i = 0; i < size; i++) {
+                uint64_t kr, kt;
+                memcpy(&kr, w + 8 * (base + i), 8);
+                memcpy(&kt, w + 8 * (base + size + i), 8);
+                double vr = (double)(int64_t)((kr & mask) + 1) * unit;   /* exact */
+                double vt = (double)(int64_t)(kt & mask) * angle;         /* one rounding */
+                memcpy(r + 8 * (start + i), &vr, 8);
+                memcpy(th + 8 * (start + i), &vt, 8);
+            }
+        } else {
+            const uint32_t mask = (uint32_t)((1UL << bits) - 1);
+            const float unit = (float)ldexp(1.0, -bits);
+            const float angle_f = (float)angle;
+            for (Py_ssize_t i = 0; i < size; i++) {
+                uint32_t kr, kt;
+                memcpy(&kr, w + 4 * (base + i), 4);
+                memcpy(&kt, w + 4 * (base + size + i), 4);
+                float vr = (float)(int32_t)((kr & mask) + 1) * unit;
+                float vt = (float)(int32_t)(kt & mask) * angle_f;
+                memcpy(r + 4 * (start + i), &vr, 4);
+                memcpy(th + 4 * (start + i), &vt, 4);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&wv);
+    PyBuffer_Release(&rv);
+    PyBuffer_Release(&tv);
+    Py_RETURN_NONE;
+}
+
+static PyObject *transforms_normal_outputs(PyObject *self, PyObject *args)
+{
+    PyObject *lo, *co, *so, *zo;
+    Py_ssize_t m, group;
+    int wide;
+    Py_buffer lv, cv, sv, zv;
+    if (!PyArg_ParseTuple(args, "OOOnnOp", &lo, &co, &so, &m, &group, &zo, &wide))
+        return NULL;
+    Py_ssize_t isz = wide ? 8 : 4;
+    if (m < 0 || group < 1) {
+        PyErr_Format(PyExc_ValueError, "normal_outputs: bad m=%zd or group=%zd", m, group);
+        return NULL;
+    }
+    if (get_buffer(lo, &lv, 0, isz, "logr") < 0)
+        return NULL;
+    if (get_buffer(co, &cv, 0, isz, "c") < 0) {
+        PyBuffer_Release(&lv);
+        return NULL;
+    }
+    if (get_buffer(so, &sv, 0, isz, "s") < 0) {
+        PyBuffer_Release(&lv);
+        PyBuffer_Release(&cv);
+        return NULL;
+    }
+    if (get_buffer(zo, &zv, 1, isz, "z") < 0) {
+        PyBuffer_Release(&lv);
+        PyBuffer_Release(&cv);
+        PyBuffer_Release(&sv);
+        return NULL;
+    }
+    if (lv.len != m * isz || cv.len != m * isz || sv.len != m * isz || zv.len != 2 * m * isz) {
+        PyErr_SetString(PyExc_ValueError, "normal_outputs: logr, c and s must hold m items, z 2m");
+        PyBuffer_Release(&lv);
+        PyBuffer_Release(&cv);
+        PyBuffer_Release(&sv);
+        PyBuffer_Release(&zv);
+        return NULL;
+    }
+    const char *lr = (const char *)lv.buf, *c = (const char *)cv.buf, *s = (const char *)sv.buf;
+    char *z = (char *)zv.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t start = 0; start < m; start += group) {
+        /* the group starting at pair `start`: its words from 2 * start, `size` pairs */
+        const Py_ssize_t base = 2 * start, size = (m - start) < group ? (m - start) : group;
+        for (Py_ssize_t i = 0; i < size; i++) {
+            Py_ssize_t j = start + i;
+            if (wide) {
+                double l, cj, sj;
+                memcpy(&l, lr + 8 * j, 8);
+                memcpy(&cj, c + 8 * j, 8);
+                memcpy(&sj, s + 8 * j, 8);
+                double t = l * -2.0;
+                double rad = sqrt(t);
+                double zc = cj * rad, zs = sj * rad;
+                memcpy(z + 8 * (base + i), &zc, 8);
+                memcpy(z + 8 * (base + size + i), &zs, 8);
+            } else {
+                float l, cj, sj;
+                memcpy(&l, lr + 4 * j, 4);
+                memcpy(&cj, c + 4 * j, 4);
+                memcpy(&sj, s + 4 * j, 4);
+                float t = l * -2.0f;
+                float rad = sqrtf(t);
+                float zc = cj * rad, zs = sj * rad;
+                memcpy(z + 4 * (base + i), &zc, 4);
+                memcpy(z + 4 * (base + size + i), &zs, 4);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&lv);
+    PyBuffer_Release(&cv);
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&zv);
+    Py_RETURN_NONE;
+}
+#endif
+
 static PyMethodDef methods[] = {
     {"bounded32", transforms_bounded32, METH_VARARGS,
      "Uniform integers in [offset, offset + r) from 32-bit words; returns the rejected count."},
     {"unit_float32", transforms_unit_float32, METH_VARARGS,
      "float32 values (word & mask) * scale from 32-bit words."},
+#ifdef EMBER_EXACT_FLOATS
+    {"normal_inputs", transforms_normal_inputs, METH_VARARGS,
+     "Box-Muller's radius and angle inputs from the keystream words of normal pairs."},
+    {"normal_outputs", transforms_normal_outputs, METH_VARARGS,
+     "Box-Muller's outputs from log radius, cosines and sines, laid out by groups of pairs."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,6 +22,9 @@ GOALS = {("rand float32", 64): 6.0, ("rand float32", 1): 4.0, ("randn float32", 
          ("randn float32", 1): 1.5, ("randint int64", 64): 3.0, ("randperm 1e7", None): 2.0,
          ("rand float32 fresh", 64): 4.0, ("randn float32 fresh", 64): 2.0,
          ("randint int64 fresh", 64): 2.0}
+# issue 25's CPU goal: torch.randn(1000) per call at most 3x torch's, i.e. a ratio of at least 1/3
+SMALL_CALL_GOALS = {"randn(1000) per call": 1 / 3}
+SMALL_CALLS = 200  # calls per timed repetition of a small-call row
 KEYSTREAM_SHARE_GOAL = 0.70  # uniform float32 at 64 MiB against the two-thread keystream rate
 REPS = 5  # interleaved repetitions per row (the median and spread of these are reported)
 
@@ -206,6 +209,39 @@ def run(quick: bool = False, sizes_mib: tuple[int, ...] | None = None,
                          _goal(name, None)))
     if fresh:
         rows += run_fresh(16 if quick else 64, reps)
+    rows += run_small(reps)
+    return rows
+
+
+def run_small(reps: int = REPS, calls: int = SMALL_CALLS) -> list[dict]:
+    """Small calls, where the per-call cost (routing, set-up) decides: ``calls`` calls per
+    repetition, ember and torch interleaved; ``ember_us``/``torch_us`` are medians per call."""
+    x = torch.empty(1000)
+    cases = [
+        ("randn(1000) per call", 4000, lambda g: torch.randn(1000, generator=g)),
+        ("rand(1000) per call", 4000, lambda g: torch.rand(1000, generator=g)),
+        # Opacus's noise call (five per parameter tensor and step in secure mode)
+        ("normal(0, .5, 1000) per call", 4000,
+         lambda g: torch.normal(mean=0, std=0.5, size=(1000,), device="cpu", generator=g)),
+        ("x.normal_() 1000 per call", 4000,
+         lambda g: x.normal_(generator=g)),
+        ("randn(10) per call", 40, lambda g: torch.randn(10, generator=g)),
+    ]
+    rows = []
+    for case, nbytes, one in cases:
+        def make(g: torch.Generator, one=one) -> Callable[[], object]:
+            def many() -> None:
+                for _ in range(calls):
+                    one(g)
+            return many
+
+        row = pair_row(case, nbytes * calls, make, max(reps, REPS), 3,
+                       SMALL_CALL_GOALS.get(case))
+        row["size_mib"] = 0
+        row["calls"] = calls
+        row["ember_us"] = float(np.median(row["ember_s"])) / calls * 1e6
+        row["torch_us"] = float(np.median(row["torch_s"])) / calls * 1e6
+        rows.append(row)
     return rows
 
 
@@ -244,7 +280,7 @@ def format_table(rows: list[dict]) -> str:
             ratio = f"{r['ratio']:.2f}x"
             if r.get("ratio_min") is not None:
                 ratio += f" [{r['ratio_min']:.2f}-{r['ratio_max']:.2f}]"
-        goal = f"{r['goal']:.1f}x" if r.get("goal") else "-"
+        goal = f"{r['goal']:.2g}x" if r.get("goal") else "-"
         met = "-" if not r.get("goal") else ("yes" if r["ratio"] >= r["goal"] else "no")
         lb, la = r.get("load_before"), r.get("load_after")
         load = "-" if lb is None else f"{lb:.1f}/{la:.1f}"
@@ -257,5 +293,8 @@ def format_table(rows: list[dict]) -> str:
             if "keystream2_goal" in r:
                 ok = "met" if r["of_keystream2"] >= r["keystream2_goal"] else "not met"
                 line += f"; goal {r['keystream2_goal']:.0%}: {ok}"
+        if "ember_us" in r:
+            line += (f"\n{'':<26}per call: ember {r['ember_us']:.1f} us, torch {r['torch_us']:.1f} us"
+                     f" ({r['ember_us'] / r['torch_us']:.2f}x torch's time)")
         lines.append(line)
     return "\n".join(lines)

@@ -26,6 +26,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from .stream import renew_lock_after_fork
+from .views import array_view
 
 __all__ = ["MT19937Sampler", "STATE_BYTES"]
 
@@ -93,7 +94,7 @@ def _store(out: torch.Tensor, lo: int, hi: int, values: np.ndarray) -> None:
     if dtype == torch.bfloat16:
         flat[lo:hi].copy_(torch.from_numpy(values))
         return
-    dst = flat.numpy()
+    dst = array_view(flat)
     if dtype == torch.bool:
         np.not_equal(values, 0, out=dst[lo:hi])
     else:

@@ -29,6 +29,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from .views import flat_view
+
 __all__ = ["GCMCiphertext", "decrypt", "decrypt_gcm", "encrypt", "encrypt_gcm",
            "gcm_associated_data", "view_as"]
 
@@ -88,7 +90,9 @@ def _raw_bytes(name: str, t: torch.Tensor) -> np.ndarray:
     t = t.detach().contiguous()
     if t.numel() == 0:
         return np.empty(0, np.uint8)
-    return t.view(-1).view(torch.uint8).cpu().numpy()
+    if not t.is_cpu:
+        t = t.cpu()
+    return flat_view(t.view(-1).view(torch.uint8))
 
 
 def _key_bytes(key: object, expected: tuple[int, ...]) -> bytes:

@@ -22,6 +22,7 @@ import torch
 from . import shuffle, small, transforms
 from .ciphers import BLOCK_BYTES
 from .stream import BlockStream, Draw
+from .views import array_view, flat_view
 
 CHUNK_BYTES = 1 << 20  # keystream bytes generated and transformed at a time
 _TWO_PI = 2.0 * math.pi
@@ -56,7 +57,7 @@ def _flat_np(out: torch.Tensor) -> np.ndarray | None:
     """A NumPy view of ``out`` when NumPy has its dtype (every dtype but bfloat16)."""
     if out.dtype == torch.bfloat16:
         return None
-    return out.numpy().reshape(-1)  # contiguous: a view
+    return flat_view(out)
 
 
 def _step(chunk_bytes: int, wbytes: int, granule: int) -> int:
@@ -258,30 +259,6 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
 NORMAL_GROUP = 16384
 
 
-def _pair_halves(x: np.ndarray, m: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(first halves, second halves) of the groups of ``m`` pairs laid out in ``x`` (2m items)."""
-    full, q = divmod(m, NORMAL_GROUP)
-    views = []
-    if full:
-        v = x[: 2 * full * NORMAL_GROUP].reshape(full, 2, NORMAL_GROUP)
-        views.append((v[:, 0, :], v[:, 1, :]))
-    if q:
-        t = x[2 * full * NORMAL_GROUP: 2 * m]
-        views.append((t[:q], t[q:]))
-    return views
-
-
-def _pair_runs(x: np.ndarray, m: int) -> list[np.ndarray]:
-    """``x`` (one item per pair, ``m`` items) cut like :func:`_pair_halves` cuts a group's half."""
-    full, q = divmod(m, NORMAL_GROUP)
-    views = []
-    if full:
-        views.append(x[: full * NORMAL_GROUP].reshape(full, NORMAL_GROUP))
-    if q:
-        views.append(x[full * NORMAL_GROUP: m])
-    return views
-
-
 class _Sink:
     """Writes float/int/bool chunks into ``out`` (directly when NumPy has its dtype)."""
 
@@ -378,7 +355,8 @@ class NativeSampler:
 
     # ------------------------------------------------------------------ normal family
     def normal_(self, out: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> None:
-        _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
+        if out.dtype not in FLOAT_DTYPES:
+            _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
         if not std >= 0.0:
             raise ValueError(f"normal_: expected std >= 0, got {std}")
@@ -440,8 +418,8 @@ class NativeSampler:
 
     def _normal(self, out: torch.Tensor, mean: float, std: float, log: bool, draw=None) -> None:
         n = out.numel()
-        if draw is None and 0 < n <= small.SMALL_ITEMS:
-            small.normal(self.stream, out, n, mean, std, log)
+        if draw is None and 0 < n <= small.SMALL_ITEMS and not transforms.normal_compiled():
+            small.normal(self.stream, out, n, mean, std, log)  # faster than NumPy's set-up
             return
         if draw is None and 0 < n <= 2 * min(small.MEDIUM_PAIRS, NORMAL_GROUP):  # one group
             small.normal_medium(self.stream, out, n, mean, std, log)
@@ -452,9 +430,8 @@ class NativeSampler:
             draw = self._draw(pairs * 2 * _ITEMSIZE[word])
         if n == 0:
             return
-        mask = word((1 << bits) - 1)
-        unit = cd(2.0**-bits)
-        angle = cd(_TWO_PI * 2.0**-bits)
+        angle = float(cd(_TWO_PI * 2.0**-bits))
+        wide = cd is np.float64
         affine = not (mean == 0.0 and std == 1.0)
         mean_c, std_c = cd(mean), cd(std)
         sink = _Sink(out)
@@ -462,28 +439,16 @@ class NativeSampler:
         def body(plo: int, phi: int, w: np.ndarray) -> None:
             m = phi - plo  # plo is a multiple of NORMAL_GROUP: the chunk holds whole groups
             lo, hi = 2 * plo, min(2 * phi, n)
-            np.bitwise_and(w, mask, out=w)
-            k = _signed(w)
             r, th, c = (_tmp("normal." + name, m, cd) for name in "rtc")  # radius, angle, cos
-            dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
-            z = dst if dst is not None else _tmp("normal.z", 2 * m, cd)
-            r_runs, th_runs = _pair_runs(r, m), _pair_runs(th, m)
             # radius from u1 = (k + 1) * 2**-bits in (0, 1]; angle from u2 = k * 2**-bits
-            for (wr, wt), rr, tt in zip(_pair_halves(k, m), r_runs, th_runs, strict=True):
-                np.copyto(rr, wr, casting="unsafe")  # exact: k < 2**bits
-                np.copyto(tt, wt, casting="unsafe")
-            np.add(r, cd(1.0), out=r)
-            np.multiply(r, unit, out=r)
+            transforms.normal_inputs(w, m, NORMAL_GROUP, bits, angle, r, th, wide)
             np.log(r, out=r)
-            np.multiply(r, cd(-2.0), out=r)
-            np.sqrt(r, out=r)
-            np.multiply(th, angle, out=th)
             np.cos(th, out=c)
             np.sin(th, out=th)
-            for (zc, zs), rr, cc, ss in zip(_pair_halves(z, m), r_runs, _pair_runs(c, m), th_runs,
-                                            strict=True):
-                np.multiply(cc, rr, out=zc)  # cosines in the first half of each group
-                np.multiply(ss, rr, out=zs)  # sines in the second
+            dst = sink.direct(lo, hi, cd) if hi - lo == 2 * m else None
+            z = dst if dst is not None else _tmp("normal.z", 2 * m, cd)
+            # cosines in the first half of each group, sines in the second
+            transforms.normal_outputs(r, c, th, m, NORMAL_GROUP, z, wide)
             if affine:
                 np.multiply(z, std_c, out=z)
                 np.add(z, mean_c, out=z)
@@ -617,14 +582,14 @@ class NativeSampler:
             if done is not None:
                 start, bad = done
                 if bad:
-                    dst = out.view(-1).numpy().view(np.uint64) if dtype in _WORD64 else None
+                    dst = flat_view(out).view(np.uint64) if dtype in _WORD64 else None
                     draw = Draw(self.stream, start, blocks_for(n * (8 if wide else 4)))
                     self._refill_integers(draw, np.array(bad, np.int64), r, offset, out, dst)
                 return
         draw = self._draw(n * (8 if wide else 4))
         if n == 0:
             return
-        dst = out.view(-1).numpy().view(np.uint64) if dtype in _WORD64 else None
+        dst = flat_view(out).view(np.uint64) if dtype in _WORD64 else None
         sink = None if dst is not None else _Sink(out)
         rejected: list[np.ndarray] = []
         word = np.uint64 if wide else np.uint32
@@ -687,7 +652,7 @@ class NativeSampler:
                     # NumPy's widening copy: torch's float32 -> float64 .to() took 16 ms for
                     # 256K values on the 2-vCPU VM, NumPy's well under 1 ms (the same values)
                     pn = np.ascontiguousarray(np.broadcast_to(
-                        src.numpy().astype(np.float64, copy=False), tuple(out.shape))).reshape(-1)
+                        array_view(src).astype(np.float64, copy=False), tuple(out.shape))).reshape(-1)
                 else:
                     pn = src.to("cpu", torch.float64).expand(out.shape).contiguous().view(-1).numpy()
             except (RuntimeError, ValueError) as exc:
@@ -745,7 +710,7 @@ class NativeSampler:
             return
         flat = out.view(-1)
         direct = out.dtype == torch.int64 and flat.is_contiguous()
-        values = flat.numpy() if direct else np.empty(n, np.int64)
+        values = flat_view(flat) if direct else np.empty(n, np.int64)
         refill = NativeSampler(draw.refill_stream())
 
         def more(k: int) -> np.ndarray:
@@ -773,7 +738,7 @@ class NativeSampler:
         rows, k = p.shape
         if k == 0:
             raise ValueError("multinomial: the input has no categories")
-        pn = p.numpy()
+        pn = flat_view(p).reshape(rows, k)  # p: contiguous (reshape copies otherwise)
         if not np.isfinite(pn).all() or (pn < 0).any():
             raise ValueError("multinomial: probabilities must be finite and non-negative")
         sums = pn.sum(axis=1)
@@ -804,7 +769,7 @@ class NativeSampler:
                 keys = np.where(pn > 0, keys / np.where(pn > 0, pn, 1.0), np.inf)
             order = np.argsort(keys, axis=1, kind="stable")
             res = np.ascontiguousarray(order[:, :num_samples]).astype(np.int64)
-        t = torch.from_numpy(res)
+        t = torch.from_numpy(res).clone()  # a tensor of torch's own memory: resizable, as torch's
         return t.view(num_samples) if probs.dim() == 1 else t
 
     def poisson(self, rates: torch.Tensor) -> torch.Tensor:
@@ -813,14 +778,14 @@ class NativeSampler:
         if not rates.is_floating_point():
             raise TypeError(f"poisson: expected a floating-point rate tensor, got {rates.dtype}")
         lam = rates.detach().to("cpu", torch.float64).contiguous().view(-1)
-        ln = lam.numpy()
+        ln = flat_view(lam)
         if not np.isfinite(ln).all() or (ln < 0).any():
             raise ValueError("poisson: rates must be finite and non-negative")
         n = ln.size
         draw = self._draw(n * 16)
         k = np.zeros(n)
         if n == 0:
-            return torch.from_numpy(k).to(rates.dtype).view(rates.shape)
+            return torch.from_numpy(k).to(rates.dtype, copy=True).view(rates.shape)  # resizable
         u = _u53_pairs(draw, n)
         low = (ln > 0) & (ln < POISSON_PTRS_RATE)
         if low.any():
@@ -837,7 +802,7 @@ class NativeSampler:
                 if not pending.size:
                     break
                 uu = _u53_pairs(refill._draw(pending.size * 16), pending.size)
-        return torch.from_numpy(k).to(rates.dtype).view(rates.shape)
+        return torch.from_numpy(k).to(rates.dtype, copy=True).view(rates.shape)  # resizable
 
 
 POISSON_PTRS_RATE = 10.0  # rates from here on use PTRS (as NumPy does)
@@ -933,7 +898,7 @@ def _normal_one_group_each(buf, items: list[tuple[torch.Tensor, int]], dtype: to
         np.multiply(z, cd(std), out=z)
         np.add(z, cd(mean), out=z)
     for (out, _), (n, _), lo in zip(items, key, starts, strict=True):
-        np.copyto(out.detach().numpy().reshape(-1), z[lo: lo + n])
+        np.copyto(flat_view(out.detach()), z[lo: lo + n])
 
 
 @functools.lru_cache(maxsize=16)

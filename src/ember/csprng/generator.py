@@ -29,6 +29,7 @@ from .stream import (
     rekey_after_fork,
     renew_lock_after_fork,
 )
+from .views import tensor_bytes
 
 _MAGIC = b"EMBR"
 _VERSION = 2
@@ -174,13 +175,14 @@ class Generator:
 
     def get_state(self) -> torch.Tensor:  # type: ignore[override]
         """The full state (kind, key, counter, spawn count, seed) as a uint8 tensor."""
-        return torch.frombuffer(bytearray(self._state_bytes()), dtype=torch.uint8)
+        # a copy in torch's own memory: resizable like torch's get_state (frombuffer's is not)
+        return torch.frombuffer(bytearray(self._state_bytes()), dtype=torch.uint8).clone()
 
     def set_state(self, new_state: torch.Tensor) -> Generator:  # type: ignore[override]
         """Restore a state returned by :meth:`get_state` (of any ember generator)."""
         if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
             raise TypeError("set_state: expected a uint8 tensor from ember's get_state()")
-        self._load_state_bytes(bytes(new_state.contiguous().cpu().numpy()))
+        self._load_state_bytes(tensor_bytes(new_state))
         return self
 
     def graphsafe_get_state(self):  # type: ignore[override]
@@ -370,7 +372,7 @@ def create_generator(seed: int | None = None, *, key: bytes | torch.Tensor | Non
     g = Generator()
     if key is not None:
         if isinstance(key, torch.Tensor):
-            key = bytes(key.detach().contiguous().cpu().view(torch.uint8).numpy())
+            key = tensor_bytes(key)
         g._set_stream("keyed", check_key(key), 0, cipher)
     else:
         seed = (int.from_bytes(os.urandom(16), "little") if seed is None

@@ -14,6 +14,7 @@ import torch
 
 from .distributions import NativeSampler
 from .stream import BlockStream
+from .views import tensor_bytes
 
 STATE_BYTES = 33  # 16-byte key, then the block counter as 17 little-endian bytes
 _METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_", "geometric_",
@@ -24,7 +25,7 @@ def _stream_from(state: torch.Tensor) -> BlockStream:
     if state.dtype != torch.uint8 or state.numel() != STATE_BYTES:
         raise ValueError(f"expected a uint8 state of {STATE_BYTES} bytes, got {state.dtype} "
                          f"with {state.numel()} elements")
-    raw = bytes(state.detach().cpu().contiguous().numpy())
+    raw = tensor_bytes(state)
     return BlockStream(raw[:16], int.from_bytes(raw[16:], "little"))
 
 

@@ -16,8 +16,10 @@ import struct
 import numpy as np
 import torch
 
+from . import transforms
 from .ciphers import BLOCK_BYTES
 from .stream import BlockStream
+from .views import flat_view
 
 SMALL_ITEMS = 64  # draws of at most this many values take the plain-Python path
 
@@ -38,7 +40,7 @@ def _words(stream: BlockStream, n: int, size: int) -> tuple[int, tuple[int, ...]
 
 
 def _write(out: torch.Tensor, values: list) -> None:
-    struct.pack_into(f"={len(values)}{_CODE[out.dtype]}", out.numpy(), 0, *values)
+    struct.pack_into(f"={len(values)}{_CODE[out.dtype]}", flat_view(out), 0, *values)
 
 
 def uniform(stream: BlockStream, out: torch.Tensor, n: int, a: float, b: float,
@@ -134,41 +136,33 @@ def normal(stream: BlockStream, out: torch.Tensor, n: int, mean: float, std: flo
     if out.dtype == torch.bfloat16:  # NumPy has no bfloat16: the large path converts with torch too
         out.view(-1).copy_(torch.from_numpy(z[:n]))
     else:
-        np.copyto(out.numpy().reshape(-1), z[:n], casting="unsafe")
+        np.copyto(flat_view(out), z[:n], casting="unsafe")
 
 
 MEDIUM_PAIRS = 16384  # one normal group (distributions.NORMAL_GROUP): normal_medium's limit
-_U32 = np.dtype("<u4")
-_U64 = np.dtype("<u8")
+_ANGLE = {24: float(np.float32(_TWO_PI * 2.0**-24)), 53: _TWO_PI * 2.0**-53}  # 2 pi 2**-bits
 
 
 def normal_medium(stream: BlockStream, out: torch.Tensor, n: int, mean: float, std: float,
                   log: bool) -> None:
-    """normal_/log_normal_ of one group of pairs (``out`` contiguous), with the NumPy path's exact
-    operations in the same order, minus its chunking machinery (the per-call cost of mid-sized
-    draws such as ``randn(1000)`` is mostly that machinery)."""
+    """normal_/log_normal_ of one group of pairs (``out`` contiguous), with the large path's
+    exact operations in the same order, minus its chunking machinery (the per-call cost of
+    mid-sized draws such as ``randn(1000)`` is mostly that machinery)."""
     wide = out.dtype == torch.float64
     cd = np.float64 if wide else np.float32
     bits = 53 if wide else 24
     pairs = (n + 1) // 2
     size = 8 if wide else 4
     _, buf = stream.take(-(-(2 * pairs * size) // BLOCK_BYTES))
-    w = np.frombuffer(buf, _U64 if wide else _U32, 2 * pairs)
-    k = (w & ((1 << bits) - 1)).view(np.int64 if wide else np.int32)  # exact in cd: k < 2**bits
-    r = k[:pairs].astype(cd)
-    np.add(r, cd(1.0), out=r)
-    np.multiply(r, cd(2.0**-bits), out=r)
-    np.log(r, out=r)
-    np.multiply(r, cd(-2.0), out=r)
-    np.sqrt(r, out=r)
-    th = k[pairs:].astype(cd)
-    np.multiply(th, cd(_TWO_PI * 2.0**-bits), out=th)
     direct = out.dtype in (torch.float32, torch.float64) and n == 2 * pairs
-    z = out.numpy().reshape(-1) if direct else np.empty(2 * pairs, cd)
+    z = flat_view(out) if direct else np.empty(2 * pairs, cd)
+    r = np.empty(pairs, cd)
+    th = z[pairs:]  # the angles, then their sines, in place of the sine values
+    transforms.normal_inputs(buf, pairs, pairs, bits, _ANGLE[bits], r, th, wide)
+    np.log(r, out=r)
     np.cos(th, out=z[:pairs])
-    np.multiply(z[:pairs], r, out=z[:pairs])  # cosines, then sines
     np.sin(th, out=th)
-    np.multiply(th, r, out=z[pairs:])
+    transforms.normal_outputs(r, z[:pairs], th, pairs, pairs, z, wide)  # cosines, then sines
     if not (mean == 0.0 and std == 1.0):
         np.multiply(z, cd(std), out=z)
         np.add(z, cd(mean), out=z)
@@ -179,4 +173,4 @@ def normal_medium(stream: BlockStream, out: torch.Tensor, n: int, mean: float, s
     if out.dtype == torch.bfloat16:
         out.view(-1).copy_(torch.from_numpy(z[:n]))
     else:
-        np.copyto(out.numpy().reshape(-1), z[:n], casting="unsafe")
+        np.copyto(flat_view(out), z[:n], casting="unsafe")

@@ -50,6 +50,13 @@ class CounterExhausted(OverflowError):
     """Raised when a draw would pass the end of the 2**128-block counter space."""
 
 
+def _exhausted(start: int, nblocks: int) -> CounterExhausted:
+    return CounterExhausted(
+        f"ember.csprng: drawing {nblocks} blocks would pass the end of the 2**128 counter space "
+        f"(at {start}); re-key the generator (manual_seed/seed) or use fold_in/spawn for a fresh "
+        "stream")
+
+
 class BlockStream:
     """Key, counter and lock of one stream; hands out keystream for reserved block ranges."""
 
@@ -91,11 +98,7 @@ class BlockStream:
             start = self._counter
             end = start + nblocks
             if end > COUNTER_LIMIT:
-                raise CounterExhausted(
-                    f"ember.csprng: drawing {nblocks} blocks would pass the end of the 2**128 "
-                    f"counter space (at {start}); re-key the generator (manual_seed/seed) or use "
-                    "fold_in/spawn for a fresh stream"
-                )
+                raise _exhausted(start, nblocks)
             self._counter = end
             return start
 
@@ -115,8 +118,16 @@ class BlockStream:
 
     def take(self, nblocks: int) -> tuple[int, bytearray]:
         """Reserve ``nblocks`` blocks and return (first block, their keystream): for small draws."""
-        start = self.reserve(nblocks)
-        writer = self.keystream(start)
+        with self._lock:  # reserve() and keystream() under one acquisition
+            start = self._counter
+            if start + nblocks > COUNTER_LIMIT:
+                raise _exhausted(start, nblocks)
+            self._counter = start + nblocks
+            cached, self._cached = self._cached, None
+        if cached is not None and cached[0] == start:
+            writer = cached[1]
+        else:
+            writer = self._cipher.keystream(self._key, start)
         buf = bytearray(nblocks * BLOCK_BYTES)
         writer.fill(memoryview(buf))
         self.give_back(start + nblocks, writer)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import pages
 from .generator import Generator
 from .pages import advise_fresh
 from .stream import CounterExhausted
@@ -302,8 +303,62 @@ def _check_size_given(name: str, args: Sequence[Any], kwargs: dict) -> None:
         raise TypeError(f'{name}() missing 1 required positional arguments: "size"')
 
 
+def _fresh_cpu(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """For the common call ``torch.rand(n, m, ..., generator=g)`` (int sizes, nothing else): the
+    new output if it is a plain contiguous CPU tensor of a float dtype, which the sampler fills
+    directly; None for every other call, which takes the general path."""
+    if len(kwargs) != 1 or not args:
+        return None
+    for d in args:
+        if type(d) is not int or d < 0:
+            return None
+    t = torch.empty(*args)  # unpacked ints parse faster than a tuple
+    if (type(t) is not torch.Tensor or not t.is_cpu or t.dtype not in _FRESH_DTYPES
+            or _functorch.is_functorch_wrapped_tensor(t)):
+        return None  # a fake/meta tensor, another default device or dtype, torch.func: the general path
+    return advise_fresh(t) if t.numel() * 8 >= pages.ADVISE_BYTES else t  # else too small
+
+
+def _normal_fresh_cpu(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """For ``torch.normal(mean, std, size, generator=g)`` with number mean and std, int sizes and
+    no keyword but ``device="cpu"`` (positional, or all three as keywords, as Opacus calls it):
+    the new output as :func:`_fresh_cpu` makes it; None for every other call."""
+    if len(args) == 3:
+        (mean, std, size), named = args, _NORMAL_FAST_KEYS
+    elif not args:
+        mean, std, size = kwargs.get("mean"), kwargs.get("std"), kwargs.get("size")
+        named = _NORMAL_FAST_KEYWORDS
+    else:
+        return None
+    if (type(mean) not in (int, float) or type(std) not in (int, float)
+            or type(size) not in (tuple, list, torch.Size) or not kwargs.keys() <= named):
+        return None  # another keyword (dtype=, out=, ...): the general path
+    device = kwargs.get("device")
+    if not (device is None or device == "cpu"
+            or (type(device) is torch.device and device.type == "cpu")):
+        return None
+    for d in size:
+        if type(d) is not int or d < 0:
+            return None
+    t = torch.empty(*size) if size else torch.empty(())
+    if (type(t) is not torch.Tensor or not t.is_cpu or t.dtype not in _FRESH_DTYPES
+            or _functorch.is_functorch_wrapped_tensor(t)):
+        return None  # (normal's general path makes CPU tensors under any default device)
+    return advise_fresh(t) if t.numel() * 8 >= pages.ADVISE_BYTES else t  # else too small
+
+
+_NORMAL_FAST_KEYS = frozenset({"generator", "device"})
+_NORMAL_FAST_KEYWORDS = _NORMAL_FAST_KEYS | {"mean", "std", "size"}
+# default dtypes whose fresh CPU tensors the samplers fill directly
+_FRESH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def _rand(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    t = _fresh_cpu(args, kwargs)
+    if t is not None:
+        g._sampler.uniform_(t, 0.0, 1.0)
+        return t
     _check_size_given("rand", args, kwargs)
     _check_resizable_out(kwargs)
     t, rg, fresh = _new(_size(args, kwargs), kwargs)
@@ -312,6 +367,10 @@ def _rand(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 def _randn(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    t = _fresh_cpu(args, kwargs)
+    if t is not None:
+        g._sampler.normal_(t, 0.0, 1.0)
+        return t
     _check_size_given("randn", args, kwargs)
     _check_resizable_out(kwargs)
     t, rg, fresh = _new(_size(args, kwargs), kwargs)
@@ -388,6 +447,11 @@ def _randperm(n: int, **kwargs: Any) -> torch.Tensor:
 
 def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    t = _normal_fresh_cpu(args, kwargs)
+    if t is not None:  # torch.normal(mean, std, size, [device="cpu"]): Opacus's noise call
+        mean, std = args[:2] if len(args) >= 2 else (kwargs["mean"], kwargs["std"])
+        g._sampler.normal_(t, float(mean), float(std))
+        return t
     if len(args) >= 3 or "size" in kwargs:
         mean, std = (list(args[:2]) + [kwargs.pop("mean", 0.0), kwargs.pop("std", 1.0)])[:2] \
             if len(args) >= 2 else (kwargs.pop("mean", args[0] if args else 0.0),
