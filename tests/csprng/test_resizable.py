@@ -111,3 +111,16 @@ def test_states_and_keys_given_to_ember_stay_resizable():
     csprng.decrypt(y, x, key)
     for t in (state, key, x, y):
         t.resize_(t.numel() + 8)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.rand(4, 3).t(),
+    lambda: torch.rand(3, 8, dtype=torch.float64)[:, ::2],
+    lambda: torch.rand(12, dtype=torch.float64)[::2],
+], ids=["transposed", "float64 columns", "float64 strided"])
+def test_multinomial_takes_non_contiguous_probabilities_as_torch_does(make):
+    p = make()
+    want = torch.multinomial(p, 2, generator=torch.Generator().manual_seed(0))
+    got = torch.multinomial(p, 2, generator=csprng.create_generator(5))
+    same = torch.multinomial(p.contiguous(), 2, generator=csprng.create_generator(5))
+    assert got.shape == want.shape and torch.equal(got, same)

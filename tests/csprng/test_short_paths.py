@@ -111,3 +111,13 @@ def test_short_path_keeps_the_stream_position_of_the_general_path():
     torch.normal(0.0, 1.0, (999,), generator=g2, dtype=torch.float32)
     assert g1.counter == g2.counter
     assert torch.equal(torch.randn(5, generator=g1), torch.randn((5,), generator=g2))
+
+
+@pytest.mark.parametrize("std", [float("nan"), -1.0])
+def test_short_path_error_messages_are_the_general_paths(std):
+    messages = []
+    for kwargs in ({}, {"dtype": torch.float32}):  # dtype= takes the general path
+        with pytest.raises(RuntimeError) as info:
+            torch.normal(0.0, std, (3,), generator=csprng.create_generator(0), **kwargs)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]

@@ -204,3 +204,12 @@ def test_normal_draws_equal_with_and_without_the_compiled_transforms(monkeypatch
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         else:  # the generator's counter
             assert torch.equal(a, b)
+
+
+@compiled_normal
+def test_normal_transforms_refuse_a_pair_count_whose_byte_length_overflows():
+    empty = np.empty(0, np.float32)
+    with pytest.raises(ValueError, match="bad m"):
+        transforms._compiled.normal_inputs(b"", 2**62, 1, 24, 1.0, empty, empty, False)
+    with pytest.raises(ValueError, match="bad m"):
+        transforms._compiled.normal_outputs(empty, empty, empty, 2**62, 1, empty, False)

@@ -147,7 +147,8 @@ static PyObject *transforms_normal_inputs(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OnnidOOp", &wo, &m, &group, &bits, &angle, &ro, &to, &wide))
         return NULL;
     Py_ssize_t isz = wide ? 8 : 4;
-    if (bits < 1 || bits > (wide ? 53 : 24) || m < 0 || group < 1) {
+    if (bits < 1 || bits > (wide ? 53 : 24) || m < 0 || m > PY_SSIZE_T_MAX / (2 * isz)
+        || group < 1) {
         PyErr_Format(PyExc_ValueError, "normal_inputs: bad m=%zd, group=%zd or bits=%d",
                      m, group, bits);
         return NULL;
@@ -220,7 +221,7 @@ static PyObject *transforms_normal_outputs(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOOnnOp", &lo, &co, &so, &m, &group, &zo, &wide))
         return NULL;
     Py_ssize_t isz = wide ? 8 : 4;
-    if (m < 0 || group < 1) {
+    if (m < 0 || m > PY_SSIZE_T_MAX / (2 * isz) || group < 1) {
         PyErr_Format(PyExc_ValueError, "normal_outputs: bad m=%zd or group=%zd", m, group);
         return NULL;
     }

@@ -734,11 +734,11 @@ class NativeSampler:
         num_samples = int(num_samples)
         if num_samples <= 0:
             raise ValueError(f"multinomial: num_samples must be positive, got {num_samples}")
-        p = probs.detach().to("cpu", torch.float64).reshape(-1, probs.shape[-1])
+        p = probs.detach().to("cpu", torch.float64).reshape(-1, probs.shape[-1]).contiguous()
         rows, k = p.shape
         if k == 0:
             raise ValueError("multinomial: the input has no categories")
-        pn = flat_view(p).reshape(rows, k)  # p: contiguous (reshape copies otherwise)
+        pn = flat_view(p).reshape(rows, k)
         if not np.isfinite(pn).all() or (pn < 0).any():
             raise ValueError("multinomial: probabilities must be finite and non-negative")
         sums = pn.sum(axis=1)

@@ -331,8 +331,9 @@ def _normal_fresh_cpu(args: tuple, kwargs: dict) -> torch.Tensor | None:
     else:
         return None
     if (type(mean) not in (int, float) or type(std) not in (int, float)
-            or type(size) not in (tuple, list, torch.Size) or not kwargs.keys() <= named):
-        return None  # another keyword (dtype=, out=, ...): the general path
+            or type(size) not in (tuple, list, torch.Size) or not kwargs.keys() <= named
+            or not std >= 0):
+        return None  # another keyword (dtype=, out=, ...), or a std to refuse: the general path
     device = kwargs.get("device")
     if not (device is None or device == "cpu"
             or (type(device) is torch.device and device.type == "cpu")):
