@@ -394,6 +394,37 @@ def test_kill_and_resume_is_bit_identical_with_physical_batches_and_ema(tmp_path
     assert resumed.history == full.history and resumed.epsilon == full.epsilon
 
 
+def test_kill_and_resume_stops_at_the_same_step_under_max_epsilon(tmp_path):
+    class Killed(RuntimeError):
+        pass
+
+    # sigma 3, q = 1/6: the bound of 2.0 is reached after 57 steps, inside epoch 10; the run is
+    # killed in that epoch after the stop's epoch began, and resumes from epoch 9's checkpoint
+    privacy = _privacy(noise_multiplier=3.0, max_epsilon=2.0)
+    model, opt, loader = _setup()
+    full = _fit(model, opt, loader, privacy, epochs=50)
+    assert full.privacy["stopped_early"] is True and full.steps == 57
+    kill_at = (full.steps // (N // BATCH)) * (N // BATCH) + 1  # just past epoch 9's checkpoint
+    assert kill_at < full.steps
+
+    def kill(step, record):
+        if step == kill_at:
+            raise Killed
+
+    model, opt, loader = _setup()
+    with pytest.raises(Killed), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(model, opt, loader, TrainConfig(epochs=50, progress=False, checkpoint_dir=tmp_path),
+            privacy=privacy, on_step=kill)
+    model, opt, loader = _setup(seed=99)
+    resumed = _fit(model, opt, loader, privacy, epochs=50, checkpoint_dir=tmp_path,
+                   resume="auto")
+    assert resumed.steps == full.steps and resumed.privacy["stopped_early"] is True
+    assert resumed.epsilon == full.epsilon <= 2.0
+    assert weights_digest(resumed.model) == weights_digest(full.model)
+    assert resumed.history == full.history
+
+
 def test_a_refused_loader_leaves_the_batchnorm_model_untouched():
     model, opt, loader = _setup(bn=True)
     partial = torch.utils.data.DataLoader(loader.dataset, batch_size=BATCH,

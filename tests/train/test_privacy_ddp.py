@@ -51,6 +51,30 @@ def _train(physical, ema: bool = False):
                    privacy=_privacy(physical))
 
 
+def _watch_noise_and_streams():
+    """Count the DP noise draws and record a digest of each sampler's generator state (patched
+    into ember.train.privacy; returns the record the patches fill)."""
+    import hashlib
+
+    from ember.train import privacy
+
+    seen = {"noise_calls": 0, "streams": []}
+    add_noise, batches_init = privacy.add_secure_noise, privacy._PoissonBatches.__init__
+
+    def counting_noise(tensors, std, generator):
+        seen["noise_calls"] += 1
+        return add_noise(tensors, std, generator)
+
+    def recording_init(self, share, sample_rate, steps, generator, *args, **kwargs):
+        state = generator.get_state().numpy().tobytes()
+        seen["streams"].append(hashlib.sha256(state).hexdigest())
+        batches_init(self, share, sample_rate, steps, generator, *args, **kwargs)
+
+    privacy.add_secure_noise = counting_noise
+    privacy._PoissonBatches.__init__ = recording_init
+    return seen
+
+
 def _worker(rank: int, port: int, out: str, physical) -> None:
     from ember.train import weights_digest
 
@@ -58,13 +82,14 @@ def _worker(rank: int, port: int, out: str, physical) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                          rank=rank, world_size=2)
     try:
+        seen = _watch_noise_and_streams()
         result = _train(physical, ema=True)
         ema = [None, None]
         torch.distributed.all_gather_object(ema, weights_digest(result.ema.module))
         Path(out, f"rank{rank}.json").write_text(json.dumps({
             "digests": result.rank_digests, "ema": ema, "epsilon": result.epsilon,
             "steps": result.steps, "report": result.privacy,
-            "history": [r["epsilon"] for r in result.history]}))
+            "history": [r["epsilon"] for r in result.history], **seen}))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -76,11 +101,17 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("physical", [5])  # physical batches: ranks split differently
-def test_two_ranks_spend_the_single_process_epsilon_and_stay_in_sync(tmp_path, physical):
+def test_two_ranks_spend_the_single_process_epsilon_and_stay_in_sync(tmp_path, physical,
+                                                                     monkeypatch):
     from opacus.accountants import RDPAccountant
+
+    from ember.train import privacy
 
     torch.multiprocessing.spawn(_worker, args=(_free_port(), str(tmp_path), physical), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    monkeypatch.setattr(privacy, "add_secure_noise", privacy.add_secure_noise)
+    monkeypatch.setattr(privacy._PoissonBatches, "__init__", privacy._PoissonBatches.__init__)
+    seen = _watch_noise_and_streams()
     single = _train(physical)
     acc = RDPAccountant()
     acc.history = [(1.0, 1 / (N // BATCH), EPOCHS * (N // BATCH))]
@@ -91,3 +122,9 @@ def test_two_ranks_spend_the_single_process_epsilon_and_stay_in_sync(tmp_path, p
         assert r["report"]["world_size"] == 2 and r["report"]["sample_rate"] == 1 / (N // BATCH)
     assert ranks[0]["digests"] == ranks[1]["digests"] and len(set(ranks[0]["digests"])) == 1
     assert len(set(ranks[0]["ema"])) == 1
+    # the noise is added once per logical step, by rank 0 only (DistributedDPOptimizer)
+    assert seen["noise_calls"] == single.steps
+    assert ranks[0]["noise_calls"] == single.steps and ranks[1]["noise_calls"] == 0
+    # each rank samples from its own stream; rank 0's is the one process's
+    assert len(ranks[0]["streams"]) == len(ranks[1]["streams"]) == len(seen["streams"]) == 1
+    assert ranks[0]["streams"] == seen["streams"] != ranks[1]["streams"]
