@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -82,8 +83,19 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, compiled: bool)
 
 
 def _run(tmp_path, compiled: bool) -> list[dict]:
-    init_file = str(tmp_path / "init").replace("\\", "/")
-    mp.spawn(_worker, args=(2, init_file, str(tmp_path), compiled), nprocs=2, join=True)
+    for attempt in range(2):
+        init_file = str(tmp_path / f"init{attempt}").replace("\\", "/")
+        try:
+            mp.spawn(_worker, args=(2, init_file, str(tmp_path), compiled), nprocs=2, join=True)
+            break
+        except mp.ProcessExitedException as err:
+            # once in a full-suite run (2026-12-05) rank 0 of the compiled case died with SIGABRT
+            # ("terminate called without an active exception") inside torch while dynamo traced
+            # the DDP forward; not reproduced in 14 reruns, 10 of them under load. A rank killed by a signal is retried
+            # once; a Python error or a failed assertion in a rank is not (ProcessRaisedException)
+            if attempt or err.signal_name is None:
+                raise
+            warnings.warn(f"retrying the 2-rank run: {err}", stacklevel=1)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
