@@ -39,3 +39,55 @@ def test_integer_types_are_accepted():
     ds = ShardDataset("a.tar", seed=np.int64(3)).shuffle(np.int32(5)).batched(np.int64(2))
     assert ds.seed == 3 and type(ds.seed) is int
     assert ShardDataset("a.tar").shuffle(0).stages[-1][1][0] == 0  # 0: no shuffling, as before
+
+
+@pytest.mark.parametrize("call, error, name", [
+    (lambda ds: ds.with_length(2.5), TypeError, "n"),
+    (lambda ds: ds.with_length(-1), ValueError, "n"),
+    (lambda ds: ds.with_epoch(2.5), TypeError, "n"),
+    (lambda ds: ds.with_epoch(0), ValueError, "n"),
+    (lambda ds: ds.slice(2.5), TypeError, "stop"),
+    (lambda ds: ds.slice(0.5, 4), TypeError, "start"),
+    (lambda ds: ds.slice(0, 4, 1.5), TypeError, "step"),
+    (lambda ds: ds.slice(0, 4, 0), ValueError, "step"),
+    (lambda ds: ds.set_epoch(1.5), TypeError, "epoch"),
+    (lambda ds: ds.set_epoch(-1), ValueError, "epoch"),
+    (lambda ds: ds.rsample("0.5"), TypeError, "p"),
+    (lambda ds: ds.rsample(float("nan")), ValueError, "p"),
+    (lambda ds: ds.rsample(1.5), ValueError, "p"),
+    (lambda ds: ShardDataset("a.tar", rank=0.5, world_size=2), TypeError, "rank"),
+    (lambda ds: ShardDataset("a.tar", rank=0, world_size=2.5), TypeError, "world_size"),
+    (lambda ds: ShardDataset("a.tar", rank=0, world_size=0), ValueError, "world_size"),
+    (lambda ds: ShardDataset("a.tar", rank=-1), ValueError, "rank"),
+    (lambda ds: ShardDataset("a.tar", timeout="5"), TypeError, "timeout"),
+    (lambda ds: ShardDataset("a.tar", timeout=0), ValueError, "timeout"),
+    (lambda ds: ShardDataset("a.tar", timeout=float("nan")), ValueError, "timeout"),
+    (lambda ds: ShardDataset("a.tar", retries=2.5), TypeError, "retries"),
+    (lambda ds: ShardDataset("a.tar", retries=-1), ValueError, "retries"),
+    (lambda ds: ShardDataset("a.tar", cache_dir="c", cache_size=1.5), TypeError, "cache_size"),
+    (lambda ds: ShardDataset("a.tar", cache_dir="c", cache_size=-1), ValueError, "cache_size"),
+    (lambda ds: ShardDataset("a.tar", shard_sizes=[2.5]), TypeError, "shard_sizes"),
+    (lambda ds: ShardDataset("a.tar", shard_sizes=[-1]), ValueError, "shard_sizes"),
+    (lambda ds: ShardLoader(ds, num_workers=2.5), TypeError, "num_workers"),
+    (lambda ds: ShardLoader(ds, num_workers=-1), ValueError, "num_workers"),
+    (lambda ds: ShardLoader(ds, transfer_memory=1.5), TypeError, "transfer_memory"),
+    (lambda ds: ShardLoader(ds, num_workers=1, transfer_group=2.5), TypeError, "transfer_group"),
+    (lambda ds: ShardLoader(ds, batch_size=2.5), TypeError, "batch_size"),
+    (lambda ds: ShardLoader(ds, batch_size=0), ValueError, "batch_size"),
+    (lambda ds: ShardLoader(ds).with_length(2.5), TypeError, "n"),
+    (lambda ds: ShardLoader(ds).set_epoch(1.5), TypeError, "epoch"),
+])
+def test_every_count_and_number_is_checked_naming_the_argument(call, error, name):
+    # found by the audit of issue 26: these took int(2.5) == 2 silently
+    with pytest.raises(error, match=rf"\b{name}\b"):
+        call(ShardDataset("a.tar"))
+
+
+def test_checked_arguments_keep_working_with_numpy_and_plain_values():
+    ds = ShardDataset("a.tar", rank=np.int64(1), world_size=2, timeout=5, retries=0,
+                      shard_sizes=[np.int32(3)])
+    assert (ds.rank, ds.world_size, ds.shard_sizes) == (1, 2, [3])
+    ds = ds.with_length(np.int64(4)).with_epoch(3).slice(1, None, 2).rsample(np.float32(0.5))
+    assert ds.length == 4 and ds.epoch_length == 3 and ds.stages[-2][1] == (1, None, 2)
+    loader = ShardLoader(ds, num_workers=np.int64(0), transfer_memory=0).with_length(2)
+    assert loader.num_workers == 0 and len(loader) == 2

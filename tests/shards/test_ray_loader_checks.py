@@ -24,10 +24,25 @@ def test_refuses_what_it_cannot_run_naming_it(tmp_path):
         RayShardLoader(ShardDataset(url).with_epoch(3))
     with pytest.raises(ValueError, match="'slice' stage"):
         RayShardLoader(ShardDataset(url).slice(2))
-    with pytest.raises(ValueError, match="max_in_flight >= 1"):
+    with pytest.raises(ValueError, match="max_in_flight must be >= 1"):
         RayShardLoader(ShardDataset(url), max_in_flight=0)
     with pytest.raises(ValueError, match="nodesplitter='auto'"):
         RayShardLoader(ShardDataset(url, nodesplitter=None)).split(2)
+
+
+@pytest.mark.parametrize("call, error, name", [
+    (lambda ds: RayShardLoader(ds, max_in_flight=2.5), TypeError, "max_in_flight"),
+    (lambda ds: RayShardLoader(ds, transfer_group=2.5), TypeError, "transfer_group"),
+    (lambda ds: RayShardLoader(ds, rank=0.5, world_size=2), TypeError, "rank"),
+    (lambda ds: RayShardLoader(ds, rank=0, world_size=2.5), TypeError, "world_size"),
+    (lambda ds: RayShardLoader(ds).split(2.5), TypeError, "n"),
+    (lambda ds: RayShardLoader(ds).split(0), ValueError, "n"),
+    (lambda ds: RayShardLoader(ds).set_epoch(1.5), TypeError, "epoch"),
+])
+def test_counts_are_checked_naming_the_argument(tmp_path, call, error, name):
+    # found by the audit of issue 26: these took int(2.5) == 2 silently
+    with pytest.raises(error, match=rf"\b{name}\b"):
+        call(ShardDataset(str(tmp_path / "x.tar")))
 
 
 def test_ember_train_refuses_workers_with_ray_address(tmp_path, capsys):

@@ -3,10 +3,12 @@ the wrong type, a ValueError for one out of range, each naming the argument."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from typing import Any
 
-__all__ = ["integer"]
+__all__ = ["integer", "real"]
 
 
 def integer(value: Any, name: str, *, minimum: int | None = None) -> int:
@@ -20,4 +22,22 @@ def integer(value: Any, name: str, *, minimum: int | None = None) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def real(value: Any, name: str, *, minimum: float | None = None, above: float | None = None,
+         maximum: float | None = None) -> float:
+    """``value`` as a float (ints, floats and NumPy's real scalars; not bools or strings), not
+    NaN, at least ``minimum``, greater than ``above`` and at most ``maximum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if math.isnan(number):
+        raise ValueError(f"{name} must be a number, got nan")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    if above is not None and not number > above:
+        raise ValueError(f"{name} must be > {above}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {number}")
     return number

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ember.shards import plan, stages
-from ember.shards.checks import integer
+from ember.shards.checks import integer, real
 from ember.shards.decode import Decoder
 from ember.shards.errors import ShardError
 from ember.shards.index import read_index
@@ -130,18 +130,28 @@ class ShardDataset(IterableDataset):
         self.shuffle_shards = shuffle_shards
         self.seed = integer(seed, "seed")
         self.generator = generator
+        if world_size is not None:
+            world_size = integer(world_size, "world_size", minimum=1)
+        if rank is not None:
+            rank = integer(rank, "rank", minimum=0)
         self.rank, self.world_size = rank, world_size
         policy = _ErrorPolicy(on_error)  # validates on_error
         self.on_error = on_error
         if equalize not in (None, "drop", "repeat"):
             raise ValueError(f"expected equalize=None, 'drop' or 'repeat', got {equalize!r}")
         self.equalize = equalize
+        if shard_sizes is not None:
+            shard_sizes = [integer(n, "shard_sizes entries", minimum=0) for n in shard_sizes]
         if shard_sizes is not None and len(shard_sizes) != len(self.urls):
             raise ValueError(f"shard_sizes has {len(shard_sizes)} entries for {len(self.urls)} "
                              "shards")
         self.shard_sizes = list(shard_sizes) if shard_sizes is not None else None
         if cache_size is not None and cache_dir is None:
             raise ValueError("cache_size= needs cache_dir=")
+        if cache_size is not None:
+            cache_size = integer(cache_size, "cache_size", minimum=0)
+        timeout = real(timeout, "timeout", above=0.0)
+        retries = integer(retries, "retries", minimum=0)
         self.options = UrlOptions(timeout=timeout, retries=retries, allow_pipe=allow_pipe,
                                   s3_endpoint=s3_endpoint,
                                   cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
@@ -195,10 +205,9 @@ class ShardDataset(IterableDataset):
     def with_length(self, n: int) -> ShardDataset:
         """Declare that an epoch yields ``n`` items on this rank: ``len()`` returns it (as
         webdataset's with_length, it is not enforced; ``with_epoch`` is)."""
-        if int(n) < 0:
-            raise ValueError(f"expected a length >= 0, got {n!r}")
+        n = integer(n, "n", minimum=0)
         out = copy.copy(self)
-        out.length = int(n)
+        out.length = n
         return out
 
     def _with(self, kind: str, *payload) -> ShardDataset:
@@ -267,18 +276,15 @@ class ShardDataset(IterableDataset):
         if not 1 <= len(args) <= 3:
             raise TypeError(f"slice expected 1 to 3 arguments, got {len(args)}")
         s = slice(*args)
-        start, stop, step = s.start or 0, s.stop, 1 if s.step is None else s.step
-        if int(start) < 0 or (stop is not None and int(stop) < 0) or int(step) < 1:
-            raise ValueError(f"slice: expected start >= 0, stop >= 0 or None and step >= 1, "
-                             f"got {args!r}")
-        return self._with("slice", int(start), None if stop is None else int(stop), int(step))
+        start = 0 if s.start is None else integer(s.start, "slice start", minimum=0)
+        stop = None if s.stop is None else integer(s.stop, "slice stop", minimum=0)
+        step = 1 if s.step is None else integer(s.step, "slice step", minimum=1)
+        return self._with("slice", start, stop, step)
 
     def rsample(self, p: float = 0.5) -> ShardDataset:
         """Keep each item with probability ``p``, drawn from the pipeline's generator
         (reproducible per seed and epoch, and resumed exactly)."""
-        if not 0.0 <= float(p) <= 1.0:
-            raise ValueError(f"expected rsample probability in [0, 1], got {p!r}")
-        return self._with("rsample", float(p))
+        return self._with("rsample", real(p, "rsample probability p", minimum=0.0, maximum=1.0))
 
     def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
                 partial: bool = True) -> ShardDataset:
@@ -294,10 +300,9 @@ class ShardDataset(IterableDataset):
         shuffled as epoch ``q`` would be); epoch ``e`` is items ``[e*n, (e+1)*n)`` of it, so each
         epoch continues where the previous one stopped. With ``resampled=True``, epoch ``e`` is
         the first ``n`` items of that epoch's own draws."""
-        if int(n) < 1:
-            raise ValueError(f"expected with_epoch(n) with n >= 1, got {n!r}")
+        n = integer(n, "n", minimum=1)
         out = copy.copy(self)
-        out.epoch_length = int(n)
+        out.epoch_length = n
         return out
 
     # ---- epochs and state ------------------------------------------------------------------
@@ -305,9 +310,7 @@ class ShardDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose shard order and shuffle are used by the next iteration (also
         by DataLoader workers, persistent ones included)."""
-        if int(epoch) < 0:
-            raise ValueError(f"expected an epoch >= 0, got {epoch!r}")
-        self._cell.set_next(int(epoch))
+        self._cell.set_next(integer(epoch, "epoch", minimum=0))
 
     def state_dict(self) -> dict:
         """The position of direct (main-process) iteration: load it to continue exactly there."""

@@ -62,15 +62,18 @@ class ShardLoader:
                 raise ValueError(f"ShardLoader does not take {bad}=; use dataset.shuffle(n) or "
                                  "loader.shuffle(n)")
             kwargs.pop(bad, None)
+        num_workers = integer(num_workers, "num_workers", minimum=0)
+        transfer_memory = integer(transfer_memory, "transfer_memory", minimum=0)
+        if transfer_group is not None:
+            transfer_group = integer(transfer_group, "transfer_group", minimum=1)
         self.persistent_workers = bool(kwargs.pop("persistent_workers", False))
-        if self.persistent_workers and int(num_workers) < 1:
+        if self.persistent_workers and num_workers < 1:
             raise ValueError("persistent_workers=True needs num_workers >= 1")
         self._kept: tuple | None = None  # persistent workers: (DataLoader, dataset copy, group)
         if batch_size is not None:
             # as DataLoader's batch_size: batches made in the workers, collated by collate_fn
-            if int(batch_size) < 1:
-                raise ValueError(f"expected batch_size >= 1, got {batch_size!r}")
-            dataset = dataset.batched(int(batch_size), collation_fn=collate_fn or
+            batch_size = integer(batch_size, "batch_size", minimum=1)
+            dataset = dataset.batched(batch_size, collation_fn=collate_fn or
                                       stages.default_collate, partial=not drop_last)
         elif collate_fn is not None:
             # as DataLoader with batch_size=None: applied to every item, in the workers
@@ -78,17 +81,13 @@ class ShardLoader:
         elif drop_last:
             raise ValueError("drop_last=True needs batch_size= (or dataset.batched(n, "
                              "partial=False))")
-        if transfer_group is not None and int(transfer_group) < 1:
-            raise ValueError(f"expected transfer_group >= 1, got {transfer_group!r}")
-        if int(transfer_memory) < 0:
-            raise ValueError(f"expected transfer_memory >= 0 bytes, got {transfer_memory!r}")
-        self.transfer_memory = int(transfer_memory)
+        self.transfer_memory = transfer_memory
         self.dataset = dataset
-        self.num_workers = int(num_workers)
+        self.num_workers = num_workers
         if self.num_workers == 0:
             self.transfer_group = 1  # nothing to transfer
         elif transfer_group is not None:
-            self.transfer_group = int(transfer_group)
+            self.transfer_group = transfer_group
         elif any(kind == "batched" for kind, _ in dataset.stages):
             self.transfer_group = 1
         else:
@@ -132,19 +131,16 @@ class ShardLoader:
 
     def with_length(self, n: int) -> ShardLoader:
         """Declare how many items an epoch of this loader yields: ``len()`` returns it."""
-        if int(n) < 0:
-            raise ValueError(f"expected a length >= 0, got {n!r}")
+        n = integer(n, "n", minimum=0)
         out = copy.copy(self)
-        out.length = int(n)
+        out.length = n
         out._kept = None
         return out
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (from its start); epochs also advance by
         themselves when an iteration reaches the end."""
-        if int(epoch) < 0:
-            raise ValueError(f"expected an epoch >= 0, got {epoch!r}")
-        self.epoch = int(epoch)
+        self.epoch = integer(epoch, "epoch", minimum=0)
         self._resume = None
 
     @property

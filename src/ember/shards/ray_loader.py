@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ember.shards import plan, stages
+from ember.shards.checks import integer
 from ember.shards.dataset import _HANDLED, ShardDataset, _one_to_one
 from ember.shards.errors import ShardError
 from ember.shards.reading import _ErrorPolicy, iter_shard, rank_and_world
@@ -291,20 +292,21 @@ class RayShardLoader:
         if not isinstance(dataset, ShardDataset):
             raise TypeError(f"expected a ShardDataset, got {type(dataset).__name__}")
         _check_pipeline(dataset)
-        if max_in_flight is not None and int(max_in_flight) < 1:
-            raise ValueError(f"expected max_in_flight >= 1, got {max_in_flight!r}")
-        if transfer_group is not None and int(transfer_group) < 1:
-            raise ValueError(f"expected transfer_group >= 1, got {transfer_group!r}")
+        if max_in_flight is not None:
+            max_in_flight = integer(max_in_flight, "max_in_flight", minimum=1)
+        if transfer_group is not None:
+            transfer_group = integer(transfer_group, "transfer_group", minimum=1)
         self.dataset = dataset
         self.address = address
-        self.rank = dataset.rank if rank is None else int(rank)
-        self.world_size = dataset.world_size if world_size is None else int(world_size)
+        self.rank = dataset.rank if rank is None else integer(rank, "rank", minimum=0)
+        self.world_size = (dataset.world_size if world_size is None
+                           else integer(world_size, "world_size", minimum=1))
         if self.rank is not None and self.world_size is not None:
             plan.stream_index(self.rank, self.world_size, 0, 1)  # validates
-        self.max_in_flight = None if max_in_flight is None else int(max_in_flight)
+        self.max_in_flight = max_in_flight
         batched = dataset.stages and dataset.stages[-1][0] == "batched"
         if transfer_group is not None:
-            self.transfer_group = int(transfer_group)
+            self.transfer_group = transfer_group
         else:
             self.transfer_group = 1 if batched else DEFAULT_TRANSFER_GROUP
         self.ray_remote_args = dict(ray_remote_args) if ray_remote_args is not None \
@@ -340,15 +342,14 @@ class RayShardLoader:
         """``n`` loaders, one per rank of a world of ``n`` (to hand to ``n`` training workers):
         together they deliver every sample of an epoch once (with the dataset's ``equalize``,
         the same number each)."""
-        if int(n) < 1:
-            raise ValueError(f"expected split(n) with n >= 1, got {n!r}")
+        n = integer(n, "n", minimum=1)
         if self.dataset.nodesplitter is None:
             raise ValueError("split(n) deals shards to ranks: it needs the dataset's "
                              "nodesplitter='auto' (with None the URL list is one rank's own)")
         out = []
-        for r in range(int(n)):
+        for r in range(n):
             part = copy.copy(self)
-            part.rank, part.world_size = r, int(n)
+            part.rank, part.world_size = r, n
             part._resume = None
             part._pos = part._start_position()
             part._on_error = _ErrorPolicy(self.dataset.on_error)
@@ -360,9 +361,7 @@ class RayShardLoader:
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (from its start); epochs also advance by
         themselves when an iteration reaches the end."""
-        if int(epoch) < 0:
-            raise ValueError(f"expected an epoch >= 0, got {epoch!r}")
-        self.epoch = int(epoch)
+        self.epoch = integer(epoch, "epoch", minimum=0)
         self._resume = None
 
     @property
