@@ -59,3 +59,30 @@ def test_help_still_prints_the_usage(capsys):
         main(["train", "--help"])
     assert exit_.value.code == 0
     assert "usage: ember train" in capsys.readouterr().out
+
+
+def test_the_installed_ember_command_runs_and_refuses_in_one_line(tmp_path):
+    # the console script pip installs (pyproject's [project.scripts]), not `python -m ember.cli`
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = shutil.which("ember", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("ember is not installed beside this interpreter (run from a source tree)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([script, "--version"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith(f"ember {__version__} (torch ")
+    folder = tmp_path / "photos" / "cat"
+    folder.mkdir(parents=True)
+    (folder / "x.png").write_text("not an image")
+    done = subprocess.run([script, "shards", "create", str(tmp_path / "photos"), "-o",
+                           str(tmp_path / "shards" / "s-%06d.tar")], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ember shards create: error: ")
+    assert "x.png" in lines[0] and not (tmp_path / "shards").exists()

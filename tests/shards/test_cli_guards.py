@@ -23,6 +23,14 @@ Image = pytest.importorskip("PIL.Image")
 wds = pytest.importorskip("webdataset")
 
 
+
+def entry_point() -> list[str]:
+    """The installed ``ember`` command (the console script beside this interpreter, as pip
+    installs it), or ``python -m ember.cli`` where ember runs from a source tree uninstalled."""
+    script = shutil.which("ember", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "ember.cli"]
+
+
 def ember(*args: str, stdin: bytes | None = None, process: bool = False
           ) -> subprocess.CompletedProcess:
     """``ember shards ...``: ``ember.cli.main`` in this process (standard streams swapped for
@@ -30,7 +38,7 @@ def ember(*args: str, stdin: bytes | None = None, process: bool = False
     a fresh process with this process's PYTHONPATH (slower: it imports torch again)."""
     if process:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        return subprocess.run([sys.executable, "-m", "ember.cli", "shards", *args], input=stdin,
+        return subprocess.run([*entry_point(), "shards", *args], input=stdin,
                               capture_output=True, timeout=300, env=env)
     from ember.cli import main
 
@@ -179,6 +187,16 @@ def test_maxsize_takes_units(photos, tmp_path):
     line = one_error_line(ember("create", str(photos), "-o", str(tmp_path / "c" / "t-%03d.tar"),
                                 "--maxcount", "3e9.5", "-q"), "create")
     assert "--maxcount" in line and "maxcount=" not in line
+
+
+@pytest.mark.parametrize("action", ["create", "split", "merge", "shuffle"])
+def test_an_output_without_a_shard_number_is_named_as_given(photos, tmp_path, action):
+    # the message named the hidden staging folder ('.../.ember-writing-<hex>/shards')
+    source = [str(photos)] if action == "create" else [str(_webdataset_shard(tmp_path / "w.tar"))]
+    out = str(tmp_path / "out" / "shards")
+    line = one_error_line(ember(action, *source, "-o", out, "-q"), action)
+    assert f"-o {out} has no shard number" in line and ".ember-writing" not in line
+    assert not (tmp_path / "out").exists()
 
 
 def _webdataset_shard(path: Path) -> Path:

@@ -45,6 +45,14 @@ def image_bytes(width: int, height: int, mode: str, fmt: str, seed: int = 0) -> 
     return buf.getvalue()
 
 
+
+def entry_point() -> list[str]:
+    """The installed ``ember`` command (the console script beside this interpreter, as pip
+    installs it), or ``python -m ember.cli`` where ember runs from a source tree uninstalled."""
+    script = shutil.which("ember", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "ember.cli"]
+
+
 def ember(*args: str, process: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
     """The ``ember`` command: ``ember.cli.main`` in this process (stdout and stderr captured,
     argparse's exits turned into statuses), or with ``process`` the real entry point in a fresh
@@ -53,7 +61,7 @@ def ember(*args: str, process: bool = False, timeout: int = 300) -> subprocess.C
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         env.pop("WORLD_SIZE", None)
         env.pop("RANK", None)
-        return subprocess.run([sys.executable, "-m", "ember.cli", *args], capture_output=True,
+        return subprocess.run([*entry_point(), *args], capture_output=True,
                               text=True, timeout=timeout, env=env)
     from ember.cli import main
 

@@ -240,8 +240,11 @@ def _verify(args) -> int:
 
 
 def _check_output(pattern: str, urls: list[str]) -> None:
-    """Refuse an output pattern that names one of the input shards (it would be overwritten
-    while it may still have to be read)."""
+    """Refuse an output pattern without a shard number, or one that names one of the input
+    shards (it would be overwritten while it may still have to be read)."""
+    if shard_path(pattern, 0) == shard_path(pattern, 1):
+        raise ValueError(f"-o {pattern} has no shard number, so every shard would get the same "
+                         "name; use e.g. -o out-%06d.tar or -o 'out-{:06d}.tar'")
     probe = os.path.abspath(shard_path(pattern, 123456789))
     prefix, sep, suffix = probe.partition("123456789")
     if not sep:
