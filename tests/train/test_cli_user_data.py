@@ -14,6 +14,7 @@ import http.server
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -159,9 +160,15 @@ def test_a_folder_of_mixed_sizes_trains_after_shards_create(photo_folder, tmp_pa
     out = tmp_path / "run"
     done = ember("train", "--data", str(tmp_path / "sh" / "t-000.tar"), "--epochs", "1",
                  "--batch-size", "4", "--image-size", "8", "--out", str(out), "--no-progress",
-                 process=True)
+                 "--eval-data", str(tmp_path / "sh" / "t-000.tar"), process=True)
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
+    # per-class accuracy under the class names; 3 images of each class, so their mean is the
+    # overall accuracy of the same evaluation
+    per_class = summary["eval_accuracy_per_class"]
+    assert sorted(per_class) == ["cat", "dog"]
+    assert all(3 * v == round(3 * v) for v in per_class.values())
+    assert sum(per_class.values()) / 2 == pytest.approx(summary["history"][-1]["eval_accuracy"])
     # --num-classes and the class names came from the classes.json that create wrote
     assert summary["classes"] == ["cat", "dog"] and summary["image_size"] == [8, 8]
     assert "0=cat, 1=dog" in done.stdout
@@ -246,6 +253,42 @@ def test_http_404_is_one_line(tmp_path):
         server.shutdown()
         server.server_close()
     assert url in line and "404" in line
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_skip_bad_skips_a_shard_whose_header_is_garbage(writer, tmp_path):
+    good = WRITERS[writer](tmp_path / "data")
+    corrupt = tmp_path / "data" / "train-000001.tar"
+    data = bytearray(good.read_bytes())
+    data[:512] = b"\x07" * 512  # the first header is garbage
+    corrupt.write_bytes(bytes(data))
+    out = tmp_path / "run"
+    done = ember("train", "--data", str(tmp_path / "data" / "train-{000000..000001}.tar"),
+                 "--num-classes", "2", "--epochs", "1", "--batch-size", "2", "--out", str(out),
+                 "--no-progress", "--skip-bad")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_bad"] == 1  # the shard, counted once
+    assert summary["history"][0]["batches"] == 3  # the good shard's 6 samples in batches of 2
+
+
+def test_skip_bad_skips_a_shard_missing_over_http(tmp_path):
+    write_with_webdataset(tmp_path / "served")  # train-000000.tar; train-000001.tar is missing
+    handler = functools.partial(_Quiet, directory=str(tmp_path / "served"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    out = tmp_path / "run"
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/train-{{000000..000001}}.tar"
+        done = ember("train", "--data", url, "--num-classes", "2", "--epochs", "1",
+                     "--batch-size", "2", "--out", str(out), "--no-progress", "--skip-bad")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_bad"] == 1 and summary["history"][0]["batches"] == 3
 
 
 def test_an_existing_run_is_not_overwritten(tmp_path):
@@ -337,6 +380,7 @@ def test_progress_bar_has_a_total(good_shard, tmp_path):
                  "--batch-size", "2", "--out", str(tmp_path / "run"), process=True)
     assert done.returncode == 0, done.stderr
     assert "3/3" in done.stderr  # 6 samples in batches of 2: a total, so a percentage and ETA
+    assert re.search(r"100%.*3/3 \[\d\d:\d\d<\d\d:\d\d", done.stderr), done.stderr  # [spent<left
 
 
 def test_help_and_version_do_not_import_torch():
