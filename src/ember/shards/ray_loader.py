@@ -46,7 +46,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise ImportError("RayShardLoader needs Ray: pip install 'ember[ray]' (or 'ray>=2.10') "
+        raise ImportError("RayShardLoader needs Ray: pip install 'ember[ray]' (or 'ray>=2.9') "
                           "on the training machines and on every node of the cluster") from None
     return ray
 
