@@ -91,8 +91,9 @@ def _run(tmp_path, compiled: bool) -> list[dict]:
         except mp.ProcessExitedException as err:
             # once in a full-suite run (2026-12-05) rank 0 of the compiled case died with SIGABRT
             # ("terminate called without an active exception") inside torch while dynamo traced
-            # the DDP forward; not reproduced in 14 reruns, 10 of them under load. A rank killed by a signal is retried
-            # once; a Python error or a failed assertion in a rank is not (ProcessRaisedException)
+            # the DDP forward; not reproduced in 14 reruns, 10 of them under load. A rank killed
+            # by a signal is retried once; a Python error or a failed assertion in a rank is not
+            # (ProcessRaisedException)
             if attempt or err.signal_name is None:
                 raise
             warnings.warn(f"retrying the 2-rank run: {err}", stacklevel=1)
