@@ -19,4 +19,35 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t i
     return 0;
 }
 
+/* One buffer to get: the object, where its view goes, and get_buffer's other arguments. */
+typedef struct {
+    PyObject *obj;
+    Py_buffer *view;
+    int writable;
+    Py_ssize_t itemsize;
+    const char *what;
+} buffer_spec;
+
+/* Gets the n buffers of specs in order; 0 on success, -1 with an exception set and none of them
+ * held when one cannot be had. */
+static int get_buffers(const buffer_spec *specs, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (get_buffer(specs[i].obj, specs[i].view, specs[i].writable, specs[i].itemsize,
+                       specs[i].what) < 0) {
+            while (--i >= 0)
+                PyBuffer_Release(specs[i].view);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Releases the n buffers that get_buffers got. */
+static void release_buffers(const buffer_spec *specs, int n)
+{
+    for (int i = 0; i < n; i++)
+        PyBuffer_Release(specs[i].view);
+}
+
 #endif

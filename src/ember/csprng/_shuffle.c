@@ -55,17 +55,10 @@ static PyObject *shuffle_scatter(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "bits must be in [0, 24], got %d", bits);
         return NULL;
     }
-    if (get_buffer(wo, &wv, 0, 4, "bucket_words") < 0)
+    const buffer_spec bufs[] = {{wo, &wv, 0, 4, "bucket_words"}, {oo, &ov, 1, 8, "out"},
+                                {fo, &fv, 1, 8, "offsets"}};
+    if (get_buffers(bufs, 3) < 0)
         return NULL;
-    if (get_buffer(oo, &ov, 1, 8, "out") < 0) {
-        PyBuffer_Release(&wv);
-        return NULL;
-    }
-    if (get_buffer(fo, &fv, 1, 8, "offsets") < 0) {
-        PyBuffer_Release(&wv);
-        PyBuffer_Release(&ov);
-        return NULL;
-    }
     Py_ssize_t n = wv.len / 4, buckets = (Py_ssize_t)1 << bits;
     PyObject *result = NULL;
     if (ov.len / 8 != n || fv.len / 8 != buckets + 1) {
@@ -101,9 +94,7 @@ static PyObject *shuffle_scatter(PyObject *self, PyObject *args)
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&wv);
-    PyBuffer_Release(&ov);
-    PyBuffer_Release(&fv);
+    release_buffers(bufs, 3);
     return result;
 }
 
@@ -124,12 +115,9 @@ static PyObject *shuffle_rejects(PyObject *self, PyObject *args)
     Py_buffer wv, fv;
     if (!PyArg_ParseTuple(args, "OOnn", &wo, &fo, &lo, &hi))
         return NULL;
-    if (get_buffer(wo, &wv, 0, 4, "fy_words") < 0)
+    const buffer_spec bufs[] = {{wo, &wv, 0, 4, "fy_words"}, {fo, &fv, 0, 8, "offsets"}};
+    if (get_buffers(bufs, 2) < 0)
         return NULL;
-    if (get_buffer(fo, &fv, 0, 8, "offsets") < 0) {
-        PyBuffer_Release(&wv);
-        return NULL;
-    }
     PyObject *result = NULL;
     Py_ssize_t n = wv.len / 4, count = fv.len / 8;
     const uint32_t *w = (const uint32_t *)wv.buf;
@@ -156,8 +144,7 @@ static PyObject *shuffle_rejects(PyObject *self, PyObject *args)
         }
     }
 done:
-    PyBuffer_Release(&wv);
-    PyBuffer_Release(&fv);
+    release_buffers(bufs, 2);
     return result;
 }
 
@@ -168,17 +155,10 @@ static PyObject *shuffle_apply(PyObject *self, PyObject *args)
     Py_buffer ov, wv, fv;
     if (!PyArg_ParseTuple(args, "OOOnn", &oo, &wo, &fo, &lo, &hi))
         return NULL;
-    if (get_buffer(oo, &ov, 1, 8, "out") < 0)
+    const buffer_spec bufs[] = {{oo, &ov, 1, 8, "out"}, {wo, &wv, 0, 4, "fy_words"},
+                                {fo, &fv, 0, 8, "offsets"}};
+    if (get_buffers(bufs, 3) < 0)
         return NULL;
-    if (get_buffer(wo, &wv, 0, 4, "fy_words") < 0) {
-        PyBuffer_Release(&ov);
-        return NULL;
-    }
-    if (get_buffer(fo, &fv, 0, 8, "offsets") < 0) {
-        PyBuffer_Release(&ov);
-        PyBuffer_Release(&wv);
-        return NULL;
-    }
     PyObject *result = NULL;
     Py_ssize_t n = wv.len / 4, count = fv.len / 8;
     const uint32_t *w = (const uint32_t *)wv.buf;
@@ -205,9 +185,7 @@ static PyObject *shuffle_apply(PyObject *self, PyObject *args)
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&ov);
-    PyBuffer_Release(&wv);
-    PyBuffer_Release(&fv);
+    release_buffers(bufs, 3);
     return result;
 }
 

@@ -54,17 +54,13 @@ static PyObject *transforms_bounded32(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "r must be in [1, 2**32], got %llu", r);
         return NULL;
     }
-    if (get_buffer(wo, &wv, 0, 4, "words") < 0)
+    const buffer_spec bufs[] = {{wo, &wv, 0, 4, "words"}, {oo, &ov, 1, 8, "out"}};
+    if (get_buffers(bufs, 2) < 0)
         return NULL;
-    if (get_buffer(oo, &ov, 1, 8, "out") < 0) {
-        PyBuffer_Release(&wv);
-        return NULL;
-    }
     Py_ssize_t n = wv.len / 4;
     if (ov.len / 8 != n) {
         PyErr_SetString(PyExc_ValueError, "words and out must hold the same number of items");
-        PyBuffer_Release(&wv);
-        PyBuffer_Release(&ov);
+        release_buffers(bufs, 2);
         return NULL;
     }
     const uint32_t *w = (const uint32_t *)wv.buf;
@@ -86,8 +82,7 @@ static PyObject *transforms_bounded32(PyObject *self, PyObject *args)
         }
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&wv);
-    PyBuffer_Release(&ov);
+    release_buffers(bufs, 2);
     return PyLong_FromSsize_t(rejected);
 }
 
@@ -103,17 +98,13 @@ static PyObject *transforms_unit_float32(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "bits must be in [1, 24], got %d", bits);
         return NULL;
     }
-    if (get_buffer(wo, &wv, 0, 4, "words") < 0)
+    const buffer_spec bufs[] = {{wo, &wv, 0, 4, "words"}, {oo, &ov, 1, 4, "out"}};
+    if (get_buffers(bufs, 2) < 0)
         return NULL;
-    if (get_buffer(oo, &ov, 1, 4, "out") < 0) {
-        PyBuffer_Release(&wv);
-        return NULL;
-    }
     Py_ssize_t n = wv.len / 4;
     if (ov.len / 4 != n) {
         PyErr_SetString(PyExc_ValueError, "words and out must hold the same number of items");
-        PyBuffer_Release(&wv);
-        PyBuffer_Release(&ov);
+        release_buffers(bufs, 2);
         return NULL;
     }
     const char *src = (const char *)wv.buf;
@@ -129,8 +120,7 @@ static PyObject *transforms_unit_float32(PyObject *self, PyObject *args)
         memcpy(dst + 4 * i, &f, 4);
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&wv);
-    PyBuffer_Release(&ov);
+    release_buffers(bufs, 2);
     Py_RETURN_NONE;
 }
 
@@ -153,23 +143,14 @@ static PyObject *transforms_normal_inputs(PyObject *self, PyObject *args)
                      m, group, bits);
         return NULL;
     }
-    if (get_buffer(wo, &wv, 0, isz, "words") < 0)
+    const buffer_spec bufs[] = {{wo, &wv, 0, isz, "words"}, {ro, &rv, 1, isz, "r"},
+                                {to, &tv, 1, isz, "th"}};
+    if (get_buffers(bufs, 3) < 0)
         return NULL;
-    if (get_buffer(ro, &rv, 1, isz, "r") < 0) {
-        PyBuffer_Release(&wv);
-        return NULL;
-    }
-    if (get_buffer(to, &tv, 1, isz, "th") < 0) {
-        PyBuffer_Release(&wv);
-        PyBuffer_Release(&rv);
-        return NULL;
-    }
     if (wv.len < 2 * m * isz || rv.len != m * isz || tv.len != m * isz) {
         PyErr_SetString(PyExc_ValueError,
                         "normal_inputs: words must hold at least 2m items, r and th m");
-        PyBuffer_Release(&wv);
-        PyBuffer_Release(&rv);
-        PyBuffer_Release(&tv);
+        release_buffers(bufs, 3);
         return NULL;
     }
     const char *w = (const char *)wv.buf;
@@ -206,9 +187,7 @@ static PyObject *transforms_normal_inputs(PyObject *self, PyObject *args)
         }
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&wv);
-    PyBuffer_Release(&rv);
-    PyBuffer_Release(&tv);
+    release_buffers(bufs, 3);
     Py_RETURN_NONE;
 }
 
@@ -225,29 +204,13 @@ static PyObject *transforms_normal_outputs(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "normal_outputs: bad m=%zd or group=%zd", m, group);
         return NULL;
     }
-    if (get_buffer(lo, &lv, 0, isz, "logr") < 0)
+    const buffer_spec bufs[] = {{lo, &lv, 0, isz, "logr"}, {co, &cv, 0, isz, "c"},
+                                {so, &sv, 0, isz, "s"}, {zo, &zv, 1, isz, "z"}};
+    if (get_buffers(bufs, 4) < 0)
         return NULL;
-    if (get_buffer(co, &cv, 0, isz, "c") < 0) {
-        PyBuffer_Release(&lv);
-        return NULL;
-    }
-    if (get_buffer(so, &sv, 0, isz, "s") < 0) {
-        PyBuffer_Release(&lv);
-        PyBuffer_Release(&cv);
-        return NULL;
-    }
-    if (get_buffer(zo, &zv, 1, isz, "z") < 0) {
-        PyBuffer_Release(&lv);
-        PyBuffer_Release(&cv);
-        PyBuffer_Release(&sv);
-        return NULL;
-    }
     if (lv.len != m * isz || cv.len != m * isz || sv.len != m * isz || zv.len != 2 * m * isz) {
         PyErr_SetString(PyExc_ValueError, "normal_outputs: logr, c and s must hold m items, z 2m");
-        PyBuffer_Release(&lv);
-        PyBuffer_Release(&cv);
-        PyBuffer_Release(&sv);
-        PyBuffer_Release(&zv);
+        release_buffers(bufs, 4);
         return NULL;
     }
     const char *lr = (const char *)lv.buf, *c = (const char *)cv.buf, *s = (const char *)sv.buf;
@@ -282,10 +245,7 @@ static PyObject *transforms_normal_outputs(PyObject *self, PyObject *args)
         }
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&lv);
-    PyBuffer_Release(&cv);
-    PyBuffer_Release(&sv);
-    PyBuffer_Release(&zv);
+    release_buffers(bufs, 4);
     Py_RETURN_NONE;
 }
 #endif
