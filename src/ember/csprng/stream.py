@@ -92,23 +92,30 @@ class BlockStream:
             self._counter = counter
             self._cached = None
 
+    def _advance(self, nblocks: int) -> int:
+        """Move the counter past ``nblocks`` blocks and return where it was (lock held)."""
+        start = self._counter
+        if start + nblocks > COUNTER_LIMIT:
+            raise _exhausted(start, nblocks)
+        self._counter = start + nblocks
+        return start
+
+    def _writer(self, start: int, cached: tuple[int, KeystreamWriter] | None) -> KeystreamWriter:
+        """``cached``'s writer if it stands at block ``start``, else a new one there."""
+        if cached is not None and cached[0] == start:
+            return cached[1]
+        return self._cipher.keystream(self._key, start)
+
     def reserve(self, nblocks: int) -> int:
         """Reserve ``nblocks`` consecutive blocks and return the first block's counter."""
         with self._lock:
-            start = self._counter
-            end = start + nblocks
-            if end > COUNTER_LIMIT:
-                raise _exhausted(start, nblocks)
-            self._counter = end
-            return start
+            return self._advance(nblocks)
 
     def keystream(self, start: int) -> KeystreamWriter:
         """A writer positioned at block ``start`` (reusing the cached one when it is there)."""
         with self._lock:
             cached, self._cached = self._cached, None
-        if cached is not None and cached[0] == start:
-            return cached[1]
-        return self._cipher.keystream(self._key, start)
+        return self._writer(start, cached)
 
     def give_back(self, position: int, writer: KeystreamWriter) -> None:
         """Offer a writer now positioned at block ``position`` for reuse by the next draw."""
@@ -119,15 +126,9 @@ class BlockStream:
     def take(self, nblocks: int) -> tuple[int, bytearray]:
         """Reserve ``nblocks`` blocks and return (first block, their keystream): for small draws."""
         with self._lock:  # reserve() and keystream() under one acquisition
-            start = self._counter
-            if start + nblocks > COUNTER_LIMIT:
-                raise _exhausted(start, nblocks)
-            self._counter = start + nblocks
+            start = self._advance(nblocks)
             cached, self._cached = self._cached, None
-        if cached is not None and cached[0] == start:
-            writer = cached[1]
-        else:
-            writer = self._cipher.keystream(self._key, start)
+        writer = self._writer(start, cached)
         buf = bytearray(nblocks * BLOCK_BYTES)
         writer.fill(memoryview(buf))
         self.give_back(start + nblocks, writer)

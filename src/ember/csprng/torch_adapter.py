@@ -309,10 +309,16 @@ def _fresh_cpu(args: tuple, kwargs: dict) -> torch.Tensor | None:
     directly; None for every other call, which takes the general path."""
     if len(kwargs) != 1 or not args:
         return None
-    for d in args:
+    return _fresh_output(args)
+
+
+def _fresh_output(dims: Sequence[Any]) -> torch.Tensor | None:
+    """A new tensor of shape ``dims`` if they are non-negative ints and the default device and
+    dtype make it a plain CPU float tensor (huge pages advised where large); else None."""
+    for d in dims:
         if type(d) is not int or d < 0:
             return None
-    t = torch.empty(*args)  # unpacked ints parse faster than a tuple
+    t = torch.empty(*dims) if dims else torch.empty(())  # unpacked ints parse faster than a tuple
     if (type(t) is not torch.Tensor or not t.is_cpu or t.dtype not in _FRESH_DTYPES
             or _functorch.is_functorch_wrapped_tensor(t)):
         return None  # a fake/meta tensor, another default device or dtype, torch.func: the general path
@@ -338,14 +344,7 @@ def _normal_fresh_cpu(args: tuple, kwargs: dict) -> torch.Tensor | None:
     if not (device is None or device == "cpu"
             or (type(device) is torch.device and device.type == "cpu")):
         return None
-    for d in size:
-        if type(d) is not int or d < 0:
-            return None
-    t = torch.empty(*size) if size else torch.empty(())
-    if (type(t) is not torch.Tensor or not t.is_cpu or t.dtype not in _FRESH_DTYPES
-            or _functorch.is_functorch_wrapped_tensor(t)):
-        return None  # (normal's general path makes CPU tensors under any default device)
-    return advise_fresh(t) if t.numel() * 8 >= pages.ADVISE_BYTES else t  # else too small
+    return _fresh_output(size)
 
 
 _NORMAL_FAST_KEYS = frozenset({"generator", "device"})
