@@ -51,9 +51,10 @@ def _train(physical, ema: bool = False):
                    privacy=_privacy(physical))
 
 
-def _watch_noise_and_streams():
+def _watch_noise_and_streams(patch=setattr):
     """Count the DP noise draws and record a digest of each sampler's generator state (patched
-    into ember.train.privacy; returns the record the patches fill)."""
+    into ember.train.privacy with ``patch``, e.g. monkeypatch.setattr; returns the record the
+    patches fill)."""
     import hashlib
 
     from ember.train import privacy
@@ -70,8 +71,8 @@ def _watch_noise_and_streams():
         seen["streams"].append(hashlib.sha256(state).hexdigest())
         batches_init(self, share, sample_rate, steps, generator, *args, **kwargs)
 
-    privacy.add_secure_noise = counting_noise
-    privacy._PoissonBatches.__init__ = recording_init
+    patch(privacy, "add_secure_noise", counting_noise)
+    patch(privacy._PoissonBatches, "__init__", recording_init)
     return seen
 
 
@@ -105,13 +106,9 @@ def test_two_ranks_spend_the_single_process_epsilon_and_stay_in_sync(tmp_path, p
                                                                      monkeypatch):
     from opacus.accountants import RDPAccountant
 
-    from ember.train import privacy
-
     torch.multiprocessing.spawn(_worker, args=(_free_port(), str(tmp_path), physical), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    monkeypatch.setattr(privacy, "add_secure_noise", privacy.add_secure_noise)
-    monkeypatch.setattr(privacy._PoissonBatches, "__init__", privacy._PoissonBatches.__init__)
-    seen = _watch_noise_and_streams()
+    seen = _watch_noise_and_streams(monkeypatch.setattr)
     single = _train(physical)
     acc = RDPAccountant()
     acc.history = [(1.0, 1 / (N // BATCH), EPOCHS * (N // BATCH))]
