@@ -23,8 +23,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 # ---------------------------------------------------------------------------- without a GPU
 @needs_nvrtc
 def test_a_kernel_compiles_alone_for_sm90_and_its_cubin_is_cached(tmp_path, monkeypatch):
-    """Kernels are compiled one by one (the first draw waits for one); ``--compile-only`` in
-    bench/csprng_cuda.py compiles all twelve (tests/csprng/test_bench_cuda.py)."""
+    """Kernels are compiled one by one (the first draw waits for one); every kernel is compiled
+    in test_every_fast_path_kernel_compiles_for_sm90."""
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     cubin = nvrtc_kernels.compile_cubin("sm_90", "ember_chacha_uniform")
     assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF file
@@ -147,6 +147,46 @@ def test_small_calls_copy_nothing_to_the_device(fake, monkeypatch):
     for method, dtype, params, _ in CASES[:7]:
         cuda_fast.fast_fill_(s, torch.empty(1000, dtype=dtype), method, params)
     assert made == [] and len(fake.calls) == 15
+
+
+def _launched_kernels() -> set[str]:
+    """The names of the kernels the host side launches, over every fill it handles (recorded)."""
+    rec = FakeLauncher()
+    old = cuda_fast.set_launcher(rec)
+    try:
+        for cipher in CIPHERS:
+            s = NativeSampler(BlockStream(KEY, 3, cipher))
+            for method, dtype, params, _ in CASES:
+                cuda_fast.fast_fill_(s, torch.empty(1000, dtype=dtype), method, params)
+            cuda_fast.fast_fill_(s, torch.empty(1000, dtype=torch.int32), "random_", ())
+            cuda_fast.normal_multi_(s, [torch.empty(10), torch.empty(7, dtype=torch.float64)], 0.0, 2.0)
+        cuda_fast.secure_noise_(NativeSampler(BlockStream(KEY, 0)), [torch.empty(33)], 1.5)
+    finally:
+        cuda_fast.set_launcher(old)
+    return {name for name, _, _ in rec.calls}
+
+
+def _elf_cuda(blob: bytes) -> bool:
+    """Whether ``blob`` is a 64-bit ELF file for NVIDIA CUDA (e_machine EM_CUDA = 190)."""
+    machine = int.from_bytes(blob[18:20], "little")
+    return len(blob) > 64 and blob[:4] == b"\x7fELF" and blob[4] == 2 and machine == 190
+
+
+@needs_nvrtc
+def test_every_fast_path_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    """Every kernel the fast path launches compiles with NVRTC (no GPU needed), one by one as at
+    run time, into a CUDA ELF that holds that kernel's entry point and no other kernel."""
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    assert _launched_kernels() == set(nvrtc_kernels.KERNELS)
+    for name in nvrtc_kernels.KERNELS:
+        cubin = nvrtc_kernels.compile_cubin("sm_90", name)
+        assert _elf_cuda(cubin), name
+        # extern "C": the entry point's symbol is the kernel's own name, NUL-terminated
+        assert name.encode() + b"\0" in cubin, name
+        others = [k for k in nvrtc_kernels.KERNELS if k != name and k.encode() + b"\0" in cubin]
+        assert others == [], (name, others)
+    cached = sorted((tmp_path / "cubin").iterdir())
+    assert len(cached) == len(nvrtc_kernels.KERNELS) and all(f.stat().st_size > 0 for f in cached)
 
 
 def test_draw_during_graph_capture_is_refused(monkeypatch):
