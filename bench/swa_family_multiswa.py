@@ -7,8 +7,8 @@ bench/results/swa_family_multiswa.json; ``bench/swa_family.py`` imports :func:`e
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -24,8 +24,13 @@ Model: MLP 64-64-BN-ReLU-Dropout(0.1)-10, SGD lr 0.05 momentum 0.9 weight decay 
 cross-entropy, trained with ember.train.fit. Ensemble size M = 3 (quick: 2); for seed s the
 members use seeds 10*s + j (initial weights torch.manual_seed, data order and fit's seed), j < M.
 Budget per member: 20 epochs (quick: 4).
-- "Deep ensemble": M SGD runs, cosine learning-rate decay (CosineAnnealingLR over the epochs),
-  final iterates, mean of the members' softmax probabilities.
+- "Deep ensemble": M SGD runs, cosine learning-rate decay (CosineAnnealingLR over the epochs)
+  from a tuned peak lr, final iterates, mean of the members' softmax probabilities. Issue 28: the
+  peak lr is chosen from {0.0125, 0.025, 0.05, 0.1} (quick: {0.025, 0.05}) by the mean
+  validation NLL of single cosine runs at seeds 10*s (each ensemble's first member), trained on
+  80% of the training set and scored on a stratified 20% held out from it (random_state=0; never
+  the test sets); the members are then trained on the whole training set at that lr
+  (bench/swa_family_tuning.py).
 - "Multi-SWA": M fit runs with swa_start = half the epochs, swa_lr 0.02 (anneal 1 epoch), SWA
   collected every epoch, BatchNorm recomputed; ember.swa.MultiSWA (mean of probabilities).
 - "MultiSWAG": the SWAG posteriors (rank 10) of the same runs, ember.swa.MultiSWAG through
@@ -34,6 +39,21 @@ Metrics: accuracy, NLL, ECE (20 equal-mass bins) per test set; wall_s = training
 Seeds 0, 1, 2; mean and std over seeds. All results are reported, including where a method loses.
 The machine is a shared 2-core one: wall times are noisy.
 """
+
+
+BASE_LR = 0.05
+
+
+def _tuning():
+    """bench/swa_family_tuning.py (the baseline's tuning step), loaded by path as this file is."""
+    name = "swa_family_tuning"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,26 +94,37 @@ def _metrics(probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
             "ece": expected_calibration_error(probs, y, n_bins=20)}
 
 
-def _run_seed(seed: int, quick: bool, xtr, ytr, tests, yte) -> dict[str, dict[str, dict]]:
+def _cosine_member(lr: float, s: int, xtr, ytr, epochs: int) -> nn.Module:
+    """One deep-ensemble member: fit with the rate cosine-annealed from ``lr`` over ``epochs``."""
+    from ember.train import TrainConfig, fit
+
+    torch.manual_seed(s)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    fit(model, opt, _Shuffled(xtr, ytr, s), TrainConfig(epochs=epochs, seed=s, progress=False),
+        scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs))
+    return model
+
+
+def _epochs(quick: bool) -> int:
+    return 4 if quick else 20
+
+
+def _run_seed(seed: int, quick: bool, xtr, ytr, tests, yte, cos_lr: float
+              ) -> dict[str, dict[str, dict]]:
     from ember.swa import MultiSWA, MultiSWAG, bayesian_average
     from ember.train import TrainConfig, fit
 
     m_size = 2 if quick else 3
-    epochs = 4 if quick else 20
+    epochs = _epochs(quick)
     bn = [(xtr[i:i + 256], ytr[i:i + 256]) for i in range(0, len(xtr), 256)]
     walls = {"Deep ensemble": 0.0, "Multi-SWA": 0.0, "MultiSWAG": 0.0}
     ensemble, swa_members, swags = [], [], []
     for j in range(m_size):
         s = 10 * seed + j
-        torch.manual_seed(s)
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
         t0 = time.perf_counter()
-        fit(model, opt, _Shuffled(xtr, ytr, s), TrainConfig(epochs=epochs, seed=s,
-                                                            progress=False),
-            scheduler=torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs))
+        ensemble.append(_cosine_member(cos_lr, s, xtr, ytr, epochs))
         walls["Deep ensemble"] += time.perf_counter() - t0
-        ensemble.append(model)
         torch.manual_seed(s)
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
@@ -142,9 +173,15 @@ def experiment(*, quick: bool, seeds: Sequence[int]) -> list[dict]:
     per: dict[tuple[str, str], dict[str, list[float]]] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    tuning_mod = _tuning()
     try:
+        tuning = tuning_mod.tune_lr(
+            lambda lr, seed, x, y: _cosine_member(lr, 10 * seed, x, y, _epochs(quick)), xtr, ytr,
+            seeds, BASE_LR, quick=quick)
+        print(tuning_mod.describe(tuning), flush=True)
         for seed in seeds:
-            for method, by_set in _run_seed(seed, quick, xtr, ytr, tests, yte).items():
+            for method, by_set in _run_seed(seed, quick, xtr, ytr, tests, yte,
+                                            tuning["chosen_lr"]).items():
                 for name, m in by_set.items():
                     cell = per.setdefault((method, name), {})
                     for k, v in m.items():
@@ -155,9 +192,12 @@ def experiment(*, quick: bool, seeds: Sequence[int]) -> list[dict]:
     for (method, name), cell in per.items():
         row: dict = {"experiment": "multiswa", "method": method, "test_set": name,
                      "n_seeds": len(seeds)}
+        if method == "Deep ensemble":
+            row["tuned_lr"] = tuning["chosen_lr"]
+            row["tuning"] = tuning
         for k, vals in cell.items():
-            row[f"{k}_mean"] = statistics.fmean(vals)
-            row[f"{k}_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            for stat, v in tuning_mod.summarize(vals).items():
+                row[f"{k}_{stat}"] = v
         rows.append(row)
     return rows
 
@@ -172,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(PROTOCOL)
     for r in rows:
         print(f"{r['method']:<13} {r['test_set']:<12} "
-              + " ".join(f"{k} {r[k + '_mean']:.4f}±{r[k + '_std']:.4f}"
+              + " ".join(f"{k} {r[k + '_mean']:.4f}±{r[k + '_std']:.4f} "
+                         f"[{r[k + '_min']:.4f}, {r[k + '_max']:.4f}]"
                          for k in ("accuracy", "nll", "ece", "wall_s")))
     out = Path(__file__).resolve().parent / "results" / "swa_family_multiswa.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -209,7 +209,11 @@ def test_bench_experiment_quick_structure():
     # temperatures are run too
     temps = [f"T={t:g}" for t in mod.temperatures(1257, True)]
     assert temps == ["T=1", "T=125.7"]
-    assert methods == {"SWA", "SWAG"} | {f"Subspace {k} {t}" for k in ("ESS", "VI") for t in temps}
+    # issue 28: the tuned cosine-annealed SGD baseline at the same epochs
+    assert methods == {"SGD (cosine, tuned)", "SWA", "SWAG"} | {
+        f"Subspace {k} {t}" for k in ("ESS", "VI") for t in temps}
+    tuned = [r for r in rows if r["method"] == "SGD (cosine, tuned)"]
+    assert all(r["tuned_lr"] in (0.025, 0.05) for r in tuned)
     assert {r["test_set"] for r in rows} == {"clean", "pixel noise", "rotation"}
     for r in rows:
         assert r["experiment"] == "subspace" and r["n_seeds"] == 1

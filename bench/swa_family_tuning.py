@@ -1,0 +1,87 @@
+"""The tuning step of the SWA benches' cosine-annealed SGD baseline (issue 28, docs/swa.md).
+
+Not an experiment of ``bench/swa_family.py``; the benches load it by path (they are loaded so too).
+The baseline's peak learning rate is chosen from a grid fixed in advance ({0.25, 0.5, 1, 2} x
+the method's own rate; quick: {0.5, 1} x) by the mean validation NLL over the experiment's seeds,
+on a stratified 20% of the TRAINING data (the test sets are never looked at); the baseline is
+then trained on the whole training set at the chosen rate by the bench itself.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+FACTORS = (0.25, 0.5, 1.0, 2.0)
+QUICK_FACTORS = (0.5, 1.0)
+VAL_FRACTION = 0.2
+SPLIT_SEED = 0
+
+
+def grid(base_lr: float, quick: bool) -> list[float]:
+    """The pre-declared learning rates around ``base_lr``."""
+    return [base_lr * f for f in (QUICK_FACTORS if quick else FACTORS)]
+
+
+def validation_split(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(x_fit, y_fit, x_val, y_val): a stratified ``VAL_FRACTION`` of the training examples held out."""
+    from sklearn.model_selection import train_test_split
+
+    idx = torch.arange(len(y)).numpy()
+    fit_idx, val_idx = train_test_split(idx, test_size=VAL_FRACTION, stratify=y.numpy(),
+                                        random_state=SPLIT_SEED)
+    fit_idx, val_idx = torch.as_tensor(fit_idx), torch.as_tensor(val_idx)
+    return x[fit_idx], y[fit_idx], x[val_idx], y[val_idx]
+
+
+@torch.no_grad()
+def _score(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    model.eval()
+    logits = model(x).double()
+    nll = nn.functional.cross_entropy(logits, y).item()
+    acc = (logits.argmax(1) == y).double().mean().item()
+    return (nll if math.isfinite(nll) else math.inf), acc
+
+
+def tune_lr(train: Callable[[float, int, torch.Tensor, torch.Tensor], nn.Module],
+            x: torch.Tensor, y: torch.Tensor, seeds: Sequence[int], base_lr: float, *,
+            quick: bool) -> dict[str, Any]:
+    """Train ``train(lr, seed, x_fit, y_fit)`` for every grid rate and seed, score it on the held-out
+    split and return ``{"chosen_lr", "grid", "validation": [{lr, val_nll, val_accuracy, ...}]}``."""
+    x_fit, y_fit, x_val, y_val = validation_split(x, y)
+    table = []
+    for lr in grid(base_lr, quick):
+        nlls, accs = [], []
+        for seed in seeds:
+            nll, acc = _score(train(lr, seed, x_fit, y_fit), x_val, y_val)
+            nlls.append(nll)
+            accs.append(acc)
+        table.append({"lr": lr, "val_nll": statistics.fmean(nlls),
+                      "val_accuracy": statistics.fmean(accs), "val_nll_per_seed": nlls,
+                      "val_accuracy_per_seed": accs})
+    best = min(table, key=lambda r: (r["val_nll"], -r["val_accuracy"]))
+    return {"chosen_lr": best["lr"], "grid": [r["lr"] for r in table], "validation": table,
+            "n_fit": len(y_fit), "n_val": len(y_val), "seeds": list(seeds)}
+
+
+def describe(tuning: dict[str, Any]) -> str:
+    """One line per grid rate, the chosen one marked."""
+    lines = [f"tuned cosine-SGD lr (validation split {tuning['n_val']} of "
+             f"{tuning['n_val'] + tuning['n_fit']} training examples):"]
+    for r in tuning["validation"]:
+        mark = "  <- chosen" if r["lr"] == tuning["chosen_lr"] else ""
+        lines.append(f"  lr {r['lr']:<8g} val NLL {r['val_nll']:.4f}  val acc "
+                     f"{r['val_accuracy']:.4f}{mark}")
+    return "\n".join(lines)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """mean, std (0 for one value), min and max of one metric over seeds."""
+    vals = list(values)
+    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+            "min": min(vals), "max": max(vals)}
