@@ -189,6 +189,109 @@ def test_every_fast_path_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     assert len(cached) == len(nvrtc_kernels.KERNELS) and all(f.stat().st_size > 0 for f in cached)
 
 
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the CUDA routes run their host logic on it."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def is_cpu(self) -> bool:
+        return False
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+class _NoGpuDriver:
+    """The driver calls a kernel load reaches before its compilation fails."""
+
+    def cuCtxSetCurrent(self, ctx):
+        return (0,)
+
+    def cuModuleLoadData(self, cubin):  # looked up before its argument is compiled; never called
+        raise AssertionError("a cubin was loaded")
+
+
+@pytest.fixture
+def broken_nvrtc(tmp_path, monkeypatch):
+    """The real driver launcher on a pretend device whose architecture NVRTC refuses (a real NVRTC
+    compile failure), the Triton fallback run by Triton's interpreter and recorded, a fresh
+    "fast path broken" flag, and the NVRTC path not forced."""
+    if not nvrtc_kernels.available() or importlib.util.find_spec("triton") is None:
+        pytest.skip("needs cuda-bindings/NVRTC and triton")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("EMBER_CSPRNG_CUDA", raising=False)
+    monkeypatch.setattr(cuda_backend, "_FAST_BROKEN", [])
+    lch = nvrtc_kernels.DriverLauncher()
+    lch._driver = _NoGpuDriver()
+    lch._contexts[0], lch._arch[0], lch._sms[0] = None, "sm_1", 1
+    old = cuda_fast.set_launcher(lch)
+    compiles, fallback = [], []
+    real_compile, real_triton = nvrtc_kernels._nvrtc_compile, cuda_backend.triton_fill_
+
+    def compile_(arch, kernel):
+        compiles.append(kernel)
+        return real_compile(arch, kernel)
+
+    def triton(sampler, tensor, method, params, interpret=None):
+        fallback.append(method)
+        return real_triton(sampler, tensor.as_subclass(torch.Tensor), method, params, interpret=True)
+
+    monkeypatch.setattr(nvrtc_kernels, "_nvrtc_compile", compile_)
+    monkeypatch.setattr(cuda_backend, "triton_fill_", triton)
+    yield compiles, fallback
+    cuda_fast.set_launcher(old)
+
+
+def test_a_kernel_that_fails_to_load_warns_once_and_triton_fills(broken_nvrtc):
+    compiles, fallback = broken_nvrtc
+    g, h = csprng.create_generator(5), csprng.create_generator(5)
+    a = torch.empty(300).as_subclass(OnCuda)
+    b = torch.empty(301, dtype=torch.int64).as_subclass(OnCuda)
+    with pytest.warns(RuntimeWarning, match=r"NVRTC path is unavailable \(.*NVRTC compilation for sm_1"
+                      ) as caught:
+        a.uniform_(generator=g)
+        b.random_(0, 3 << 30, generator=g)
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert compiles == ["ember_aes_uniform"]  # tried once, never again
+    assert cuda_backend._FAST_BROKEN and cuda_backend.fast_path() == "triton"
+    assert fallback == ["uniform_", "random_range_"]  # both draws filled by the Triton path
+    # the failed attempt reserved nothing: the values are the CPU stream's from the start
+    x, y = torch.empty(300), torch.empty(301, dtype=torch.int64)
+    x.uniform_(generator=h)
+    y.random_(0, 3 << 30, generator=h)
+    assert torch.equal(a.as_subclass(torch.Tensor), x) and torch.equal(b.as_subclass(torch.Tensor), y)
+    assert g.get_state().equal(h.get_state())
+    assert not list((nvrtc_kernels.cache_dir()).glob("*.cubin"))  # no failed cubin cached
+
+
+def test_a_foreach_kernel_that_fails_to_load_warns_once_and_triton_fills(broken_nvrtc):
+    """normal_foreach_'s one-launch kernel failing marks the fast path broken as a fill does,
+    instead of being compiled again on every call."""
+    compiles, fallback = broken_nvrtc
+    g, h = csprng.create_generator(6), csprng.create_generator(6)
+    shapes = [(3, 5), (7,), (2, 2)]
+    ts = [torch.empty(s).as_subclass(OnCuda) for s in shapes]
+    with pytest.warns(RuntimeWarning, match=r"NVRTC path is unavailable \(.*NVRTC compilation for sm_1"
+                      ) as caught:
+        csprng.normal_foreach_(ts, 1.5, generator=g)
+        csprng.normal_foreach_(ts[:2], 2.0, generator=g)
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert compiles == ["ember_aes_normal_multi"]
+    assert fallback == ["normal_"] * 5
+    want = [torch.empty(s) for s in shapes]
+    for t in want:
+        t.normal_(0.0, 1.5, generator=h)
+    for t in want[:2]:
+        t.normal_(0.0, 2.0, generator=h)
+    assert g.get_state().equal(h.get_state())
+    for t, w in zip(ts, want, strict=True):
+        torch.testing.assert_close(t.as_subclass(torch.Tensor), w, rtol=1e-5, atol=1e-6)
+
+
 def test_draw_during_graph_capture_is_refused(monkeypatch):
     g = csprng.create_generator(1)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

@@ -77,9 +77,24 @@ def _one_launch(sampler: NativeSampler, tensors: list[torch.Tensor], kernel: str
     names = (kernel or f"ember_{'aes' if sampler.stream.cipher_name == 'aes128' else 'chacha'}_normal_multi",)
     try:  # compiled and loaded before anything is reserved
         cuda_fast.launcher().functions(dev.index or 0, names)
-    except Exception:
+    except Exception as exc:  # no cuda-bindings, no NVRTC for this GPU, no driver
+        _fast_path_broken(exc)
         return False
     return True
+
+
+def _fast_path_broken(exc: Exception) -> None:
+    """Mark the NVRTC path broken after a kernel failed to compile or load, as the per-tensor
+    fills do (``cuda_backend.cuda_fill``): warn once and use the Triton path (else the CPU path)
+    from now on, instead of trying to compile again on every call."""
+    import warnings
+
+    from . import cuda_backend
+
+    cuda_backend._FAST_BROKEN.append(str(exc))
+    fallback = "Triton" if cuda_backend.triton_available() else "the CPU path"
+    warnings.warn(f"ember.csprng: the NVRTC path is unavailable ({exc}); using {fallback}",
+                  RuntimeWarning, stacklevel=4)
 
 
 def secure_noise_foreach_(tensors: Sequence[torch.Tensor], std: float, *,
