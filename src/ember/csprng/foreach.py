@@ -23,7 +23,7 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
     Gives exactly the values and the final generator position of
     ``[t.normal_(mean, std, generator=generator) for t in tensors]``. Returns the tensors.
     """
-    from .torch_adapter import InvalidArgument, UnsupportedDtype, fill_
+    from .torch_adapter import InvalidArgument, UnsupportedDtype, _refuse_capture, fill_
 
     if not isinstance(generator, Generator):
         raise TypeError(f"normal_foreach_: generator must be an ember.csprng Generator, got "
@@ -55,6 +55,9 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
 
         cuda_fast.normal_multi_(sampler, tensors, mean, std)
         return tensors
+    # one call per tensor: a CUDA tensor among them is refused during graph capture before the
+    # first tensor is drawn, not after the CPU tensors before it have consumed stream
+    _refuse_capture(*tensors)
     for t in tensors:
         fill_(t, generator, "normal_", mean, std)
     return tensors
@@ -117,6 +120,9 @@ def secure_noise_foreach_(tensors: Sequence[torch.Tensor], std: float, *,
     std = float(std)
     if not std > 0.0:
         raise ValueError(f"secure_noise_foreach_: expected std > 0, got {std}")
+    from .torch_adapter import _refuse_capture
+
+    _refuse_capture(*tensors)  # before anything is allocated or drawn
     sampler = generator.sampler()
     if (tensors and type(sampler) is NativeSampler and sampler.stream.cipher_name == "aes128"
             and _one_launch(sampler, tensors, "ember_aes_secure_noise")):

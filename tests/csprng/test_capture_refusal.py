@@ -1,0 +1,148 @@
+"""CUDA-graph capture refusal on every route that can put an ember draw into a CUDA tensor.
+
+A captured draw would be replayed with the same stream position, i.e. the same numbers, on every
+replay of the graph. The NVRTC/Triton fills refuse it in ``cuda_backend.cuda_fill``; these tests
+cover the routes that draw on the CPU and copy to the device instead (tracked fills, a declining
+backend, multinomial, poisson, the tensor overloads of normal and bernoulli, normal_foreach_ over
+mixed devices) and the factory routes, on a machine without a GPU: the tensors are CPU tensors that
+say they are on CUDA, and the stream is "capturing" by monkeypatch. A refused draw consumes no
+stream and writes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ember.csprng as csprng
+from ember.csprng import cuda_backend, torch_adapter
+from ember.csprng.foreach import secure_noise_foreach_
+
+
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the CUDA routes run their host logic on it."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def is_cpu(self) -> bool:
+        return False
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def cuda(t: torch.Tensor) -> OnCuda:
+    return t.as_subclass(OnCuda)
+
+
+def _tracked() -> torch.Tensor:
+    # not a leaf and requiring grad: the draw is copied in (autograd sees the write) and skips
+    # the device backend
+    return cuda(torch.zeros(6, requires_grad=True) * 1)
+
+
+ROUTES = {
+    "uniform_ tracked": lambda g: _tracked().uniform_(generator=g),
+    "normal_ tracked": lambda g: _tracked().normal_(0.0, 2.0, generator=g),
+    "random_ tracked": lambda g: _tracked().random_(0, 10, generator=g),
+    "bernoulli_ tracked": lambda g: _tracked().bernoulli_(0.3, generator=g),
+    "uniform_": lambda g: cuda(torch.empty(6)).uniform_(generator=g),
+    "cauchy_ non-contiguous": lambda g: cuda(torch.empty(6, 4))[:, ::2].cauchy_(generator=g),
+    "complex normal_": lambda g: cuda(torch.empty(6, dtype=torch.complex64)).normal_(generator=g),
+    "rand out=": lambda g: torch.rand(5, generator=g, out=cuda(torch.empty(5))),
+    "rand_like": lambda g: torch.rand_like(cuda(torch.empty(5)), generator=g),
+    "randn_like": lambda g: torch.randn_like(cuda(torch.empty(5)), generator=g),
+    "randint_like": lambda g: torch.randint_like(cuda(torch.empty(5)), 0, 9, generator=g),
+    "randperm out=": lambda g: torch.randperm(7, generator=g, out=cuda(torch.empty(7, dtype=torch.int64))),
+    "multinomial": lambda g: torch.multinomial(cuda(torch.ones(2, 5)), 3, generator=g),
+    "Tensor.multinomial": lambda g: cuda(torch.ones(5)).multinomial(5, generator=g),
+    "multinomial out=": lambda g: torch.multinomial(torch.ones(5), 2, True, generator=g,
+                                                    out=cuda(torch.empty(2, dtype=torch.int64))),
+    "poisson": lambda g: torch.poisson(cuda(torch.full((4,), 3.0)), generator=g),
+    "poisson positional": lambda g: torch.poisson(cuda(torch.full((4,), 3.0)), g),
+    "normal(Tensor, float)": lambda g: torch.normal(cuda(torch.zeros(4)), 1.0, generator=g),
+    "normal(float, Tensor)": lambda g: torch.normal(0.0, cuda(torch.ones(4)), generator=g),
+    "normal out=": lambda g: torch.normal(torch.zeros(4), 1.0, generator=g, out=cuda(torch.empty(4))),
+    "bernoulli": lambda g: torch.bernoulli(cuda(torch.full((4,), 0.5)), generator=g),
+    "bernoulli p, cpu out=": lambda g: torch.bernoulli(cuda(torch.full((4,), 0.5)), generator=g,
+                                                       out=torch.empty(4)),
+    "bernoulli_ cuda p": lambda g: torch.empty(4).bernoulli_(cuda(torch.full((4,), 0.5)), generator=g),
+    "normal_foreach_ mixed": lambda g: csprng.normal_foreach_(
+        [torch.empty(3), cuda(torch.empty(3))], 1.0, generator=g),
+    "secure_noise_foreach_ mixed": lambda g: secure_noise_foreach_(
+        [torch.empty(3), cuda(torch.empty(3))], 1.0, generator=g),
+}
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_draw_during_capture_is_refused_and_consumes_nothing(capturing, route):
+    g = csprng.create_generator(11)
+    csprng_state = g.get_state()
+    with pytest.raises(cuda_backend.CaptureError,
+                       match=r"cannot draw while a CUDA graph is being captured \(every replay would "
+                             r"repeat the same random numbers\)"):
+        ROUTES[route](g)
+    assert g.get_state().equal(csprng_state) and g.counter == 0
+
+
+def test_a_declining_backend_leaves_the_refusal_to_the_copy_path(capturing, monkeypatch):
+    """A device backend that declines a fill (returns False, having refused nothing): the CPU
+    draw copied into the CUDA tensor is refused before anything is drawn."""
+    seen = []
+    monkeypatch.setitem(torch_adapter._DEVICE_BACKENDS, "cuda", lambda *a: seen.append(a[2]) or False)
+    g = csprng.create_generator(12)
+    out = cuda(torch.zeros(5))
+    with pytest.raises(cuda_backend.CaptureError):
+        out.exponential_(generator=g)
+    assert seen == ["exponential_"] and g.counter == 0 and not out.any()
+
+
+def test_refused_out_tensors_are_left_as_they_were(capturing):
+    g = csprng.create_generator(13)
+    out = cuda(torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(cuda_backend.CaptureError):
+        torch.multinomial(torch.ones(5), 2, generator=g, out=out)
+    assert out.shape == (3,) and not out.any()
+    cpu_out = torch.zeros(2)
+    with pytest.raises(cuda_backend.CaptureError):
+        torch.bernoulli(cuda(torch.full((4,), 0.5)), generator=g, out=cpu_out)
+    assert cpu_out.shape == (2,) and not cpu_out.any() and g.counter == 0
+
+
+@pytest.mark.parametrize("route", ["uniform_ tracked", "normal out=", "multinomial out=",
+                                   "bernoulli_ cuda p", "normal_foreach_ mixed"])
+def test_the_same_routes_draw_when_nothing_is_captured(route, monkeypatch):
+    """Outside a capture the routes above draw as usual (the refusal is not a blanket one); the
+    device backend declines (``EMBER_CSPRNG_CUDA=cpu``), so the CPU draw is copied in."""
+    monkeypatch.setenv("EMBER_CSPRNG_CUDA", "cpu")
+    g = csprng.create_generator(14)
+    ROUTES[route](g)
+    assert g.counter > 0
+
+
+def test_cpu_draws_never_ask_about_capture(monkeypatch):
+    """CPU tensors are never refused, whatever the current CUDA stream does."""
+    def boom():
+        raise AssertionError("asked about capture for a CPU draw")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", boom)
+    g = csprng.create_generator(15)
+    leaf = torch.zeros(4, requires_grad=True)
+    (leaf * 1).uniform_(generator=g)
+    torch.empty(6, 4)[:, ::2].normal_(generator=g)
+    torch.multinomial(torch.ones(5), 2, generator=g)
+    torch.poisson(torch.full((3,), 2.0), generator=g)
+    torch.normal(torch.zeros(3), 1.0, generator=g)
+    torch.bernoulli(torch.full((3,), 0.5), generator=g)
+    torch.empty(3).bernoulli_(torch.full((3,), 0.5), generator=g)
+    csprng.normal_foreach_([torch.empty(3), torch.empty(3)[::2]], generator=g)
+    assert g.counter > 0
