@@ -325,3 +325,48 @@ def test_protocol_block_shows_the_sizes_of_the_run():
     text = _format_protocol(DemoSettings.quick())
     assert "rank 2 (the last 2" in text and "3 samples" in text and "seeds 0, 1 (" in text
     assert "rank 20" not in text and "30 samples" not in text and "0, 1, 2" not in text
+
+
+def test_cosine_baseline_starts_at_the_tuned_rate_and_the_averaging_runs_at_theirs(monkeypatch):
+    """The cosine-SGD baseline runs at PROTOCOL["baseline_lr"] (tuned by bench/demo_tuning.py on a
+    held-out split, docs/train.md), the SWA run at the methods' own PROTOCOL["lr"]."""
+    import ember.train
+    from ember.demo import protocol
+
+    seen = []
+
+    def fake_fit(model, opt, loader, config, scheduler=None, **kw):
+        seen.append((opt.param_groups[0].get("initial_lr", opt.param_groups[0]["lr"]),
+                     type(scheduler).__name__ if scheduler is not None else None))
+        return object()
+
+    monkeypatch.setattr(ember.train, "fit", fake_fit)
+    monkeypatch.setattr(protocol, "_train_loader", lambda urls, seed: [])
+    protocol._train_seed(0, protocol.DemoSettings.quick(), "unused", [], [], Path("unused"), False)
+    assert seen[0] == (protocol.PROTOCOL["baseline_lr"], "CosineAnnealingLR")
+    assert seen[1][0] == protocol.PROTOCOL["lr"]
+    # the tuned rate is one of the pre-declared grid's (0.25, 0.5, 1, 2 x the methods' rate)
+    assert protocol.PROTOCOL["baseline_lr"] in [protocol.PROTOCOL["lr"] * f
+                                                for f in (0.25, 0.5, 1.0, 2.0)]
+    assert f"{protocol.PROTOCOL['baseline_lr']:g}" in protocol.PROTOCOL["baseline"]
+
+
+def test_demo_tuning_script_picks_the_rate_with_the_best_held_out_accuracy(tmp_path, monkeypatch):
+    """bench/demo_tuning.py (one epoch, so it is quick) scores every grid rate on the held-out split
+    and names the best-scoring one; ties go to the smaller rate."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "demo_tuning.py"
+    spec = importlib.util.spec_from_file_location("demo_tuning", path)
+    tuning = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tuning)
+    out = tmp_path / "t.json"
+    assert tuning.main(["--epochs", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rates = [r["lr"] for r in result["rows"]]
+    assert rates == [0.05 * f for f in (0.25, 0.5, 1.0, 2.0)]
+    best = max(round(r["mean"], 4) for r in result["rows"])
+    assert result["chosen_lr"] == min(r["lr"] for r in result["rows"] if round(r["mean"], 4) == best)
+    assert all(len(r["val_accuracy"]) == 3 for r in result["rows"])
+    assert all(0.0 <= a <= 1.0 for r in result["rows"] for a in r["val_accuracy"])
