@@ -8,7 +8,7 @@ held-out 15% (noisy labels, as a user would have them). The highest mean accurac
 smaller rate. The test sets are never used. The result goes into ``ember.demo.PROTOCOL["baseline_lr"]``
 by hand, with this script's output recorded in docs/train.md.
 
-    python bench/demo_tuning.py [--json bench-demo-tuning.json] [--epochs 30]
+    python bench/demo_tuning.py [--json bench/results/demo_tuning.json] [--epochs 30]
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def held_out_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=30)
-    ap.add_argument("--json", type=Path, default=Path("bench-demo-tuning.json"))
+    ap.add_argument("--json", type=Path,
+                    default=Path(__file__).resolve().parent / "results" / "demo_tuning.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(rows, key=lambda r: (round(r["mean"], 4), -r["lr"]))
     print(f"chosen peak lr: {best['lr']:g} ({time.perf_counter() - t0:.1f} s, "
           f"{args.epochs} epochs, seeds {list(SEEDS)}, {len(y_fit)} fit / {len(y_val)} held out)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"epochs": args.epochs, "seeds": list(SEEDS), "rows": rows,
                                      "chosen_lr": best["lr"]}, indent=1))
     return 0
