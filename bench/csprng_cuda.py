@@ -339,11 +339,14 @@ def triton_variants() -> list[tuple[str, dict, dict]]:
             sig = dict(fill_sig, out_ptr=out_ty)
             out.append(("fill_kernel", sig, dict(CIPHER=cipher, OP=op, WB=wb, MBITS=mbits, F64=f64, FLAG=flag,
                                                   FLAG2=flag2, VIA_F32=via, BLOCK=block)))
-    nsig = {"out_ptr": "*fp32", "words_ptr": "*i32", "fp_ptr": "*fp64", "n": "i64", "pairs": "i64"}
-    out.append(("normal_kernel", nsig, dict(GROUP=16384, MBITS=24, F64=False, AFFINE=True, LOG=False,
-                                            BF16=False, BLOCK=256)))
-    out.append(("normal_kernel", dict(nsig, out_ptr="*fp64", words_ptr="*i64"),
-                dict(GROUP=16384, MBITS=53, F64=True, AFFINE=True, LOG=False, BF16=False, BLOCK=256)))
+    scalars = ("c0", "c1", "c2", "c3", "skip", "n", "pairs", "full_lanes", "full_programs",
+               "su", "st", "std", "mean")
+    nsig = {"out_ptr": "*fp32", "tab_ptr": "*i32", **{a: "i64" for a in scalars}}
+    for cipher, block in ((0, 256), (1, 64)):
+        for out_ty, wb, mbits, f64 in (("*fp32", 4, 24, False), ("*fp64", 8, 53, True)):
+            out.append(("normal_fill_kernel", dict(nsig, out_ptr=out_ty),
+                        dict(CIPHER=cipher, GROUP=16384, WB=wb, MBITS=mbits, F64=f64, AFFINE=True, LOG=False,
+                             BF16=False, BLOCK=block)))
     return out
 
 

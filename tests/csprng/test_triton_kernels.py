@@ -102,10 +102,10 @@ def _cr(name: str):
     return lambda x: getattr(np, name)(x.astype(np.float64)).astype(np.float32)
 
 
-def normal_pair_words(n: int) -> tuple[np.ndarray, np.ndarray]:
+def normal_pair_words(n: int, group: int = 16384) -> tuple[np.ndarray, np.ndarray]:
     """(radius word, angle word) indexes of each pair of an ``n``-value normal draw: groups of 16384
     pairs, each with its radius words first and its angle words second (docs/csprng-stream.md)."""
-    group, pairs = 16384, (n + 1) // 2
+    pairs = (n + 1) // 2
     j = np.arange(pairs)
     g = j // group
     q = np.minimum(pairs - g * group, group)
@@ -113,7 +113,7 @@ def normal_pair_words(n: int) -> tuple[np.ndarray, np.ndarray]:
     return radius, radius + q
 
 
-def reference_f32(method: str, w: np.ndarray, n: int, params: tuple) -> np.ndarray:
+def reference_f32(method: str, w: np.ndarray, n: int, params: tuple, group: int = 16384) -> np.ndarray:
     """The float32 values of docs/csprng-stream.md from 32-bit words ``w``, with correctly rounded
     log/exp/sin/cos/tan: what the kernels compute (see triton_kernels)."""
     f32 = np.float32
@@ -121,7 +121,7 @@ def reference_f32(method: str, w: np.ndarray, n: int, params: tuple) -> np.ndarr
     k = w & np.uint32((1 << m) - 1)
     if method in ("normal_", "log_normal_"):
         mean, std = params or ((1.0, 2.0) if method == "log_normal_" else (0.0, 1.0))
-        radius, angle = normal_pair_words(n)  # the sine element of a pair sits at its angle word
+        radius, angle = normal_pair_words(n, group)  # the sine element of a pair sits at its angle word
         u = (k[radius] + 1).astype(f32) * f32(2.0**-m)
         r = np.sqrt(_cr("log")(u) * f32(-2.0))
         t = k[angle].astype(f32) * f32(2 * math.pi * 2.0**-m)
@@ -329,6 +329,80 @@ def test_normal_groups_follow_the_group_size(monkeypatch, cipher, dtype):
     monkeypatch.setattr(distributions, "NORMAL_GROUP", 16384)
     other, _ = pair(cipher, 7, "normal_", dtype, n, (0.5, 3.0))
     assert not torch.equal(other, cpu)  # the group size matters: the patch took effect
+
+
+NORMAL_CASES = [("normal_", ()), ("normal_", (0.5, 3.0)), ("log_normal_", ()), ("log_normal_", (-1.0, 0.5))]
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_normal_one_kernel_every_group_shape(monkeypatch, cipher, dtype):
+    """Box-Muller in the fill kernel, with groups of 16 pairs (patched on both sides): odd and even
+    counts, one and several full groups with and without a short last group, after other draws
+    (every start inside a ChaCha20 block), normal and log_normal with standard and other
+    parameters in turn. float64: the CPU sampler bit for bit; float32 and 16-bit:
+    :func:`reference_f32` bit for bit (rounded once to the 16-bit dtype)."""
+    from ember.csprng import distributions
+    from ember.csprng.cuda_backend import triton_fill_
+
+    group = 16  # the smallest whose halves are whole ChaCha20 blocks (32-bit words)
+    monkeypatch.setattr(distributions, "NORMAL_GROUP", group)
+    ref_s, ker_s = sampler(cipher, 4), sampler(cipher, 4)
+    for i, n in enumerate([1, 2, 3, 31, 32, 33, 65, 2 * 16 * 3 - 3, 2 * 16 * 3 + 30, 101]):
+        before = torch.empty(i % 4 + 1)  # moves the next draw's start within a ChaCha20 block
+        ref_s.uniform_(before)
+        assert triton_fill_(ker_s, torch.empty(i % 4 + 1), "uniform_", (), interpret=True)
+        counter = ref_s.stream.counter
+        assert ker_s.stream.counter == counter
+        method, params = NORMAL_CASES[i % len(NORMAL_CASES)]
+        ref = torch.empty(n, dtype=dtype)
+        getattr(ref_s, method)(ref, *params)
+        got = torch.empty(n, dtype=dtype)
+        assert triton_fill_(ker_s, got, method, params, interpret=True)
+        assert ker_s.stream.counter == ref_s.stream.counter
+        if dtype == torch.float64:
+            assert torch.equal(ref, got), n
+        else:
+            want = reference_f32(method, words(cipher, counter, nwords(method, n), 4), n, params, group)
+            assert torch.equal(got, torch.from_numpy(want).to(dtype)), n
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+@pytest.mark.parametrize("counter", [5, 6], ids=["start1", "start2"])
+def test_normal_real_group_size_with_a_short_last_group(cipher, counter):
+    """One full group of 16384 pairs and a short last group of 2 pairs (float64, bit for bit)."""
+    ref, got = pair(cipher, counter, "normal_", torch.float64, 2 * 16384 + 3, (0.5, 3.0))
+    assert torch.equal(ref, got)
+
+
+def _record_launches(monkeypatch, k) -> list[str]:
+    """Patch every kernel of the kernels module ``k`` to record its name at each launch."""
+    launched: list[str] = []
+
+    class Recorder:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.fn[grid]
+
+    for name in dir(k):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(k, name, Recorder(name, getattr(k, name)))
+    return launched
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
+@pytest.mark.parametrize("method", ["normal_", "log_normal_"])
+def test_normal_draw_is_one_launch(monkeypatch, cipher, method):
+    from ember.csprng.cuda_backend import kernels, triton_fill_
+
+    launched = _record_launches(monkeypatch, kernels(True))
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        launched.clear()
+        assert triton_fill_(sampler(cipher, 3), torch.empty(1001, dtype=dtype), method, (), interpret=True)
+        assert launched == ["normal_fill_kernel"], (dtype, launched)
 
 
 @pytest.mark.parametrize("cipher", CIPHERS)
@@ -597,23 +671,36 @@ def test_fill_kernel_compiles_for_sm90(cipher, case):
         assert "fma." not in ptx
 
 
+@pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize(
-    "out_ty,words_ty,mbits,f64,affine,log,bf16",
+    "out_ty,wb,mbits,f64,affine,log,bf16",
     [
-        ("*fp32", "*i32", 24, False, True, False, False),
-        ("*fp64", "*i64", 53, True, True, False, False),
-        ("*fp16", "*i32", 24, False, False, True, False),
-        ("*i16", "*i32", 24, False, True, True, True),
+        ("*fp32", 4, 24, False, True, False, False),
+        ("*fp64", 8, 53, True, True, False, False),
+        pytest.param("*fp16", 4, 24, False, False, True, False, marks=pytest.mark.slow),
+        pytest.param("*i16", 4, 24, False, True, True, True, marks=pytest.mark.slow),
     ],
     ids=["normal f32", "normal f64", "log_normal f16", "log_normal bf16"],
 )
-def test_normal_kernel_compiles_for_sm90(out_ty, words_ty, mbits, f64, affine, log, bf16):
+def test_normal_fill_kernel_compiles_for_sm90(cipher, out_ty, wb, mbits, f64, affine, log, bf16):
     k, compile_ptx = _nvidia_compiler()
-    sig = {"out_ptr": out_ty, "words_ptr": words_ty, "fp_ptr": "*fp64", "n": "i64", "pairs": "i64"}
+    scalars = ("c0", "c1", "c2", "c3", "skip", "n", "pairs", "full_lanes", "full_programs")
+    scalars += ("su", "st", "std", "mean")
+    sig = {"out_ptr": out_ty, "tab_ptr": "*i32", **{a: "i64" for a in scalars}}
     ptx = compile_ptx(
-        k.normal_kernel,
+        k.normal_fill_kernel,
         sig,
-        dict(GROUP=16384, MBITS=mbits, F64=f64, AFFINE=affine, LOG=log, BF16=bf16, BLOCK=256),
+        dict(
+            CIPHER=0 if cipher == "aes128" else 1,
+            GROUP=16384,
+            WB=wb,
+            MBITS=mbits,
+            F64=f64,
+            AFFINE=affine,
+            LOG=log,
+            BF16=bf16,
+            BLOCK=256 if cipher == "aes128" else 64,
+        ),
     )
     assert "fma.rn.f32" not in ptx  # float32 steps stay separate multiplies and adds
     assert ".approx.f32" not in ptx and ".approx.ftz.f32" not in ptx  # no fast float32 math

@@ -426,39 +426,57 @@ def _normal_family(log: bool):
         mean, std = (float(v) for v in f.arg((1.0, 2.0) if log else (0.0, 1.0)))
         cd, wb, bits = _compute(f.dtype)
         pairs = (f.n + 1) // 2
-        nbytes = pairs * 2 * wb
-        start = f.stream.reserve(blocks_for(nbytes))
+        start = f.stream.reserve(blocks_for(pairs * 2 * wb))
         if f.n == 0:
             return
-        # the words first (the INTEGER op with the full mask stores each word as it is), then
-        # Box-Muller over the groups of pairs, which pair words that lie far apart in the stream
-        words = torch.empty(2 * pairs, dtype=torch.int64 if wb == 8 else torch.int32, device=f.out.device)
-        f.run(start, nbytes, _Launch(f.k.INTEGER, wb, 0, False, [], [_i64((1 << (8 * wb)) - 1), 0, 0],
-                                     flag=True), out=words)
-        fp = torch.tensor(
-            [float(cd(2.0**-bits)), float(cd(2.0 * math.pi * 2.0**-bits)), float(cd(std)), float(cd(mean))],
-            dtype=torch.float64,
-            device=f.out.device,
-        )
-        block = 256
-        extra = _compile_options(f.k.INTERPRETED)
-        f.k.normal_kernel[(-(-pairs // block),)](
+        k = f.k
+        cipher = f.stream.cipher_name
+        group = distributions.NORMAL_GROUP
+        if cipher == "aes128":
+            first, skip, cid, upb = start, 0, k.AES128, 1
+        else:
+            (first, skip), cid, upb = divmod(start, 4), k.CHACHA20, 4
+        half = group * wb // (16 * upb)  # blocks from a radius word to its angle word
+        assert half * 16 * upb == group * wb, "a group's halves must be whole cipher blocks"
+        # one lane per block of radius words in the full groups, then one per pair of the last
+        full_lanes = (pairs // group) * (half + (upb > 1))
+        if k.INTERPRETED:  # the interpreter pays per program and per lane: as few of both as fit
+            block = min(1024, 1 << max(4, (max(full_lanes, pairs % group) - 1).bit_length()))
+        else:
+            block = 256 if upb == 1 else 64
+        full_programs = -(-full_lanes // block)
+        grid = (full_programs + -(-(pairs % group) // block),)
+        k.normal_fill_kernel[grid](
             f.out,
-            words,
-            fp,
+            _device_table(cipher, f.stream.key, f.out.device),
+            *((first >> (32 * j)) & 0xFFFFFFFF for j in range(4)),
+            skip,
             f.n,
             pairs,
-            GROUP=distributions.NORMAL_GROUP,
+            full_lanes,
+            full_programs,
+            _f64_bits(cd(2.0**-bits)),
+            _f64_bits(cd(2.0 * math.pi * 2.0**-bits)),
+            _f64_bits(cd(std)),
+            _f64_bits(cd(mean)),
+            CIPHER=_code(cid),
+            GROUP=group,
+            WB=wb,
             MBITS=bits,
             F64=cd is np.float64,
             AFFINE=not (mean == 0.0 and std == 1.0),
             LOG=log,
             BF16=f.dtype == torch.bfloat16,
             BLOCK=block,
-            **extra,
+            **_compile_options(k.INTERPRETED),
         )
 
     return fill
+
+
+def _f64_bits(x: float) -> int:
+    """The bit pattern of float64 ``x`` as a signed int64 (how kernels take float parameters)."""
+    return int(np.array(float(x), dtype=np.float64).view(np.int64))
 
 
 def _exponential(f: _Fill) -> None:

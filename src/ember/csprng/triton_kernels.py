@@ -3,8 +3,9 @@
 One kernel, specialised at compile time on the cipher (AES-128 with T-tables, or ChaCha20), the
 distribution and the word width, computes the counter blocks of a draw and writes the values of
 docs/csprng-stream.md straight into the output tensor; the keystream never goes to global memory.
-The exception is normal/log_normal, whose pairs take words half a group apart: the fill kernel
-writes the words, then :func:`normal_kernel` turns them into values.
+normal/log_normal, whose pairs take words half a group apart, have their own kernel,
+:func:`normal_fill_kernel`: a lane computes the cipher blocks of both words of its pairs and does
+Box-Muller in registers (one launch, no buffer of words).
 Rejected integer positions (Lemire) are appended to a small list that the host resolves.
 
 This module imports triton; import it only through :mod:`ember.csprng.cuda_backend`. The host side
@@ -34,7 +35,7 @@ INTERPRETED = bool(knobs.runtime.interpret)
 
 # op and cipher codes (the constexpr OP and CIPHER; kernels may only read constexpr globals)
 UNIFORM = tl.constexpr(0)
-# 1 and 2 were normal and log_normal, which normal_kernel computes now
+# 1 and 2 were normal and log_normal, which normal_fill_kernel computes now
 EXPONENTIAL = tl.constexpr(3)
 CAUCHY = tl.constexpr(4)
 GEOMETRIC = tl.constexpr(5)
@@ -452,43 +453,158 @@ def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
         _store(out_ptr, e, v.to(tl.int8), ok, n, VIA_F32)
 
 
-@triton.jit(do_not_specialize=["n", "pairs"])
-def normal_kernel(out_ptr, words_ptr, fp_ptr, n, pairs, GROUP: tl.constexpr, MBITS: tl.constexpr,
-                  F64: tl.constexpr, AFFINE: tl.constexpr, LOG: tl.constexpr, BF16: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """Box-Muller over the ``pairs`` pairs of an ``n``-value draw whose words are at ``words_ptr``
-    (int32 for 32-bit words, int64 for 64-bit ones, as the fill kernel's INTEGER op wrote them).
+@triton.jit
+def _fparam(bits, F64: tl.constexpr):
+    """A float parameter passed as the int64 bit pattern of a float64 (Python floats would be
+    typed float32); float32 parameters are float32 values, so the conversion is exact."""
+    v = bits.to(tl.int64).to(tl.float64, bitcast=True)
+    if not F64:
+        v = v.to(tl.float32)
+    return v
 
-    Pairs come in groups of GROUP (docs/csprng-stream.md): pair ``i`` of a group of ``q`` pairs
-    starting at word ``base`` takes words ``base + i`` (radius) and ``base + q + i`` (angle) and
-    gives elements ``base + i`` (cosine) and ``base + q + i`` (sine).
-    """
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = j < pairs
-    g = j // GROUP
-    i = j - g * GROUP
-    q = tl.minimum(pairs - g * GROUP, GROUP)
-    e0 = 2 * g * GROUP + i
-    e1 = e0 + q
-    if F64:
-        wa = tl.load(words_ptr + e0, mask=ok, other=0).to(tl.uint64, bitcast=True)
-        wb = tl.load(words_ptr + e1, mask=ok, other=0).to(tl.uint64, bitcast=True)
+
+@triton.jit
+def _uparam(bits):
+    """An unsigned 64-bit parameter passed as a signed int64 scalar."""
+    return bits.to(tl.int64).to(tl.uint64, bitcast=True)
+
+
+@triton.jit
+def _cat(x, y):
+    """Rows of x and y interleaved column by column: [B, k] and [B, k] -> [B, 2k]
+    (column 2i from x, 2i + 1 from y); vectors [B] give [B, 2]."""
+    z = tl.join(x, y)
+    return tl.reshape(z, (z.shape[0], z.numel // z.shape[0]))
+
+
+@triton.jit
+def _row4(a, b, c, d):
+    """Four [B] vectors as the columns of a [B, 4] tensor, in order."""
+    return _cat(_cat(a, c), _cat(b, d))
+
+
+@triton.jit
+def _row16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """Sixteen [B] vectors as the columns of a [B, 16] tensor, in order."""
+    return _cat(_cat(_row4(x0, x4, x8, x12), _row4(x2, x6, x10, x14)),
+                _cat(_row4(x1, x5, x9, x13), _row4(x3, x7, x11, x15)))
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _block_words(tab_ptr, c0, c1, c2, c3, blk, CIPHER: tl.constexpr, WB: tl.constexpr):
+    """The words of cipher block ``c + blk`` (``blk`` a [B] vector below 2**32) as a [B, k]
+    tensor: k = 4 (AES) or 16 (ChaCha20) uint32 words, or half as many uint64 words (WB == 8)."""
+    i0, i1, i2, i3 = _add128(c0.to(tl.uint32), c1.to(tl.uint32), c2.to(tl.uint32),
+                             c3.to(tl.uint32), blk.to(tl.uint32))
+    if CIPHER == AES128:
+        w0, w1, w2, w3 = _aes_block(tab_ptr, i0, i1, i2, i3)
+        if WB == 8:
+            words = _cat(_u64(w0, w1), _u64(w2, w3))
+        else:
+            words = _row4(w0, w1, w2, w3)
     else:
-        wa = tl.load(words_ptr + e0, mask=ok, other=0).to(tl.uint32, bitcast=True)
-        wb = tl.load(words_ptr + e1, mask=ok, other=0).to(tl.uint32, bitcast=True)
-    u = _to_float(_mask(wa, MBITS) + 1, F64) * _param(fp_ptr, 0, F64)
+        (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
+         x15) = _chacha_block(tab_ptr, i0, i1, i2, i3)
+        if WB == 8:
+            words = _cat(_row4(_u64(x0, x1), _u64(x4, x5), _u64(x8, x9), _u64(x12, x13)),
+                         _row4(_u64(x2, x3), _u64(x6, x7), _u64(x10, x11), _u64(x14, x15)))
+        else:
+            words = _row16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    return words
+
+
+@triton.jit
+def _box_muller(wa, wb, su, st, std, mean, MBITS: tl.constexpr, F64: tl.constexpr,
+                AFFINE: tl.constexpr, LOG: tl.constexpr):
+    """The (cosine, sine) values of pairs with radius words ``wa`` and angle words ``wb``."""
+    u = _to_float(_mask(wa, MBITS) + 1, F64) * su
     r = _sqrt(_log_t(u, F64) * -2.0, F64)
-    t = _to_float(_mask(wb, MBITS), F64) * _param(fp_ptr, 1, F64)
+    t = _to_float(_mask(wb, MBITS), F64) * st
     z0 = r * _cos_t(t, F64)
     z1 = r * _sin_t(t, F64)
     if AFFINE:
-        z0 = z0 * _param(fp_ptr, 2, F64) + _param(fp_ptr, 3, F64)
-        z1 = z1 * _param(fp_ptr, 2, F64) + _param(fp_ptr, 3, F64)
+        z0 = z0 * std + mean
+        z1 = z1 * std + mean
     if LOG:
         z0 = _exp_t(z0, F64)
         z1 = _exp_t(z1, F64)
-    _store(out_ptr, e0, z0, ok, n, BF16)
-    _store(out_ptr, e1, z1, ok, n, BF16)
+    return z0, z1
+
+
+@triton.jit(do_not_specialize=["c0", "c1", "c2", "c3", "skip", "n", "pairs", "full_lanes",
+                               "full_programs", "su", "st", "std", "mean"])
+def normal_fill_kernel(out_ptr, tab_ptr, c0: tl.int64, c1: tl.int64, c2: tl.int64, c3: tl.int64,
+                       skip: tl.int64, n: tl.int64, pairs: tl.int64, full_lanes: tl.int64,
+                       full_programs: tl.int64, su: tl.int64, st: tl.int64, std: tl.int64,
+                       mean: tl.int64, CIPHER: tl.constexpr, GROUP: tl.constexpr,
+                       WB: tl.constexpr, MBITS: tl.constexpr, F64: tl.constexpr,
+                       AFFINE: tl.constexpr, LOG: tl.constexpr, BF16: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """normal/log_normal: the ``n`` values of a draw whose first cipher block is (c3:c2:c1:c0)
+    (ChaCha20: whose first unit is unit ``skip`` of that block), Box-Muller included.
+
+    Pairs come in groups of GROUP (docs/csprng-stream.md): pair ``i`` of a group of ``q`` pairs
+    starting at word ``base`` takes words ``base + i`` (radius) and ``base + q + i`` (angle) and
+    gives elements ``base + i`` (cosine) and ``base + q + i`` (sine). The first ``full_programs``
+    programs cover the full groups, one lane per cipher block of radius words: the angle words of
+    a full group lie ``GROUP * WB`` bytes (a whole number of blocks) later, at the same place in
+    their block, so a lane computes two blocks and the values of all the radius words in the first.
+    The other programs cover the last, shorter group (if any), one lane per pair: its angle words
+    are not aligned to blocks, so a lane computes the block of each of its two words.
+    ``su``, ``st``, ``std``, ``mean`` are float64 bit patterns (see :func:`_fparam`).
+    """
+    UPB: tl.constexpr = 1 if CIPHER == AES128 else 4  # 16-byte units per cipher block
+    WPB: tl.constexpr = UPB * (16 // WB)  # words per cipher block
+    HALF: tl.constexpr = GROUP * WB // (16 * UPB)  # blocks from a radius word to its angle word
+    su = _fparam(su, F64)
+    st = _fparam(st, F64)
+    std = _fparam(std, F64)
+    mean = _fparam(mean, F64)
+    pid = tl.program_id(0).to(tl.int64)
+    lanes: tl.constexpr = HALF if CIPHER == AES128 else HALF + 1  # blocks with a group's radii
+    # the two cipher blocks of each lane (radius, angle), computed as one vector of 2 * BLOCK
+    if pid < full_programs:
+        t = pid * BLOCK + tl.arange(0, BLOCK)
+        g = t // lanes
+        rblk = (skip + 2 * g * GROUP * WB // 16) // UPB + (t - g * lanes)
+        ablk = rblk + HALF
+    else:
+        base = (pairs // GROUP) * GROUP
+        i = (pid - full_programs) * BLOCK + tl.arange(0, BLOCK)
+        # word e is word (skip * 16 / WB + e) % WPB of block (skip * 16 / WB + e) // WPB
+        p0 = skip * (16 // WB) + 2 * base + i
+        rblk = p0 // WPB
+        ablk = (p0 + (pairs - base)) // WPB
+    both = _block_words(tab_ptr, c0, c1, c2, c3, tl.reshape(tl.join(rblk, ablk), (2 * BLOCK,)),
+                        CIPHER, WB)
+    ra, an = tl.split(tl.permute(tl.reshape(both, (BLOCK, 2, WPB)), (0, 2, 1)))
+    col = tl.arange(0, WPB)[None, :]
+    if pid < full_programs:
+        t = pid * BLOCK + tl.arange(0, BLOCK)
+        g = t // lanes
+        e = (rblk * WPB - skip * (16 // WB))[:, None] + col  # word = element index
+        lo = (2 * g * GROUP)[:, None]
+        ok = (t < full_lanes)[:, None] & (e >= lo) & (e < lo + GROUP)
+        z0, z1 = _box_muller(ra, an, su, st, std, mean, MBITS, F64, AFFINE, LOG)
+        _store(out_ptr, e, z0, ok, n, BF16)
+        _store(out_ptr, e + GROUP, z1, ok, n, BF16)
+    else:
+        # (names apart from the branch above: Triton types a name across both branches)
+        base = (pairs // GROUP) * GROUP
+        q = pairs - base
+        i = (pid - full_programs) * BLOCK + tl.arange(0, BLOCK)
+        e0 = 2 * base + i
+        p0 = skip * (16 // WB) + e0
+        wa = tl.reduce(tl.where(col == (p0 % WPB)[:, None], ra, 0), 1, _or)
+        wb = tl.reduce(tl.where(col == ((p0 + q) % WPB)[:, None], an, 0), 1, _or)
+        y0, y1 = _box_muller(wa, wb, su, st, std, mean, MBITS, F64, AFFINE, LOG)
+        _store(out_ptr, e0, y0, i < q, n, BF16)
+        _store(out_ptr, e0 + q, y1, i < q, n, BF16)
 
 
 @triton.jit
