@@ -324,9 +324,9 @@ def compile_only(arch: str = "sm_90") -> tuple[int, float, list[str]]:
 
 def triton_variants() -> list[tuple[str, dict, dict]]:
     """(kernel, signature, constexprs) of the Triton fallback's kernel variants."""
-    fill_sig = {"out_ptr": "*fp32", "tab_ptr": "*i32", "fp_ptr": "*fp64", "ip_ptr": "*i64", "p_ptr": "*fp64",
-                "cnt_ptr": "*i32", "pos_ptr": "*i64", "c0": "i64", "c1": "i64", "c2": "i64", "c3": "i64",
-                "skip": "i32", "n": "i64", "nlanes": "i32", "cap": "i32"}
+    fill_sig = {"out_ptr": "*fp32", "tab_ptr": "*i32", "p_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i32",
+                **{a: "i64" for a in ("fa", "fb", "fc", "fd", "ia", "ib", "ic", "c0", "c1", "c2", "c3",
+                                      "skip", "n", "nlanes", "cap")}}
     out = []
     # (out type, op, wb, mbits, f64, flag, flag2, via) for the common calls
     cases = [("*fp32", 0, 4, 24, False, False, False, False), ("*fp32", 0, 4, 24, False, True, True, False),
@@ -337,6 +337,8 @@ def triton_variants() -> list[tuple[str, dict, dict]]:
     for cipher, block in ((0, 256), (1, 128)):
         for out_ty, op, wb, mbits, f64, flag, flag2, via in cases:
             sig = dict(fill_sig, out_ptr=out_ty)
+            if op == 6 and not flag:  # Lemire: the list of rejected positions
+                sig["pos_ptr"] = "*i64"
             out.append(("fill_kernel", sig, dict(CIPHER=cipher, OP=op, WB=wb, MBITS=mbits, F64=f64, FLAG=flag,
                                                   FLAG2=flag2, VIA_F32=via, BLOCK=block)))
     scalars = ("c0", "c1", "c2", "c3", "skip", "n", "pairs", "full_lanes", "full_programs",

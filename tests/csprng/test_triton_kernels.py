@@ -394,6 +394,42 @@ def _record_launches(monkeypatch, k) -> list[str]:
 
 
 @pytest.mark.parametrize("cipher", CIPHERS)
+def test_parameters_are_kernel_scalars(monkeypatch, cipher):
+    """No tensor is made or copied for a fill's parameters (on a GPU each was a host-to-device copy
+    and a wait): the kernels take them as scalars. The cipher table is cached per key and device."""
+    from ember.csprng.cuda_backend import triton_fill_
+
+    cases = [("uniform_", torch.float32, (-2.0, 3.0)), ("normal_", torch.float32, (0.5, 3.0)),
+             ("exponential_", torch.float64, (2.5,)), ("cauchy_", torch.float32, (1.0, 2.0)),
+             ("geometric_", torch.int64, (0.3,)), ("random_range_", torch.int32, (0, 16)),
+             ("bernoulli_", torch.bool, (0.3,))]
+    for method, dtype, params in cases:  # warm the table cache
+        triton_fill_(sampler(cipher, 3), torch.empty(5, dtype=dtype), method, params, interpret=True)
+    made: list = []
+    real_tensor, real_to = torch.tensor, torch.Tensor.to
+
+    def tensor(*a, **kw):
+        if "device" in kw:
+            made.append(("tensor", a, kw))
+        return real_tensor(*a, **kw)
+
+    def to(self, *a, **kw):
+        made.append(("to", a, kw))
+        return real_to(self, *a, **kw)
+
+    for method, dtype, params in cases:
+        ref_s, ker_s = sampler(cipher, 3), sampler(cipher, 3)
+        ref, got = torch.empty(37, dtype=dtype), torch.empty(37, dtype=dtype)
+        getattr(ref_s, method)(ref, *params)
+        with monkeypatch.context() as m:  # only the kernel side is watched
+            m.setattr(torch, "tensor", tensor)
+            m.setattr(torch.Tensor, "to", to)
+            assert triton_fill_(ker_s, got, method, params, interpret=True)
+        assert torch.equal(ref, got) or method in ("normal_", "cauchy_"), method  # float32: ulp
+    assert made == []
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize("method", ["normal_", "log_normal_"])
 def test_normal_draw_is_one_launch(monkeypatch, cipher, method):
     from ember.csprng.cuda_backend import kernels, triton_fill_
@@ -633,23 +669,10 @@ def test_fill_kernel_compiles_for_sm90(cipher, case):
     case)."""
     k, compile_ptx = _nvidia_compiler()
     name, out_ty, op, wb, mbits, f64, flag, flag2, via = case
-    sig = {
-        "out_ptr": out_ty,
-        "tab_ptr": "*i32",
-        "fp_ptr": "*fp64",
-        "ip_ptr": "*i64",
-        "p_ptr": "*fp64",
-        "cnt_ptr": "*i32",
-        "pos_ptr": "*i64",
-        "c0": "i64",
-        "c1": "i32",
-        "c2": "i32",
-        "c3": "i64",
-        "skip": "i32",
-        "n": "i64",
-        "nlanes": "i32",
-        "cap": "i32",
-    }
+    scalars = ("fa", "fb", "fc", "fd", "ia", "ib", "ic", "c0", "c1", "c2", "c3", "skip", "n", "nlanes", "cap")
+    sig = {"out_ptr": out_ty, "tab_ptr": "*i32", "p_ptr": "*fp64" if op == "bernoulli_" else "*i32",
+           "cnt_ptr": "*i32", "pos_ptr": "*i64" if op == "integer" and not flag else "*i32",
+           **{a: "i64" for a in scalars}}
     ptx = compile_ptx(
         k.fill_kernel,
         sig,

@@ -265,11 +265,11 @@ def launch(
 ) -> None:
     """Run the fill kernel over draw units ``[0, nunits)`` starting at stream block ``start``."""
     k = kernels(interpret)
-    dev = out.device
-    fp = torch.tensor(spec.fp or [0.0], dtype=torch.float64, device=dev)
-    ip = torch.tensor(spec.ip or [0], dtype=torch.int64, device=dev)
-    p = spec.p if spec.p is not None else fp
-    cnt, pos = rejects if rejects is not None else (ip, ip)
+    # parameters travel as kernel scalars (float64 bit patterns, int64): no copy to the device
+    fp = [_f64_bits(v) for v in spec.fp] + [0] * (4 - len(spec.fp))
+    ip = [_i64(v) for v in spec.ip] + [0] * (3 - len(spec.ip))
+    p = spec.p if spec.p is not None else table  # unused pointers: any device tensor
+    cnt, pos = rejects if rejects is not None else (table, table)
     cap = pos.numel() if rejects is not None else 0
     if cipher == "aes128":
         first, skip, lanes, cid, block = start, 0, nunits, k.AES128, 256
@@ -282,15 +282,12 @@ def launch(
     k.fill_kernel[grid](
         out,
         table,
-        fp,
-        ip,
         p,
         cnt,
         pos,
-        c[0],
-        c[1],
-        c[2],
-        c[3],
+        *fp,
+        *ip,
+        *c,
         skip,
         out.numel(),
         lanes,

@@ -257,19 +257,6 @@ def _chacha_block(tab_ptr, q0, q1, q2, q3):
 
 # ---------------------------------------------------------------------------- transforms
 @triton.jit
-def _param(fp_ptr, i: tl.constexpr, F64: tl.constexpr):
-    v = tl.load(fp_ptr + i)
-    if not F64:
-        v = v.to(tl.float32)
-    return v
-
-
-@triton.jit
-def _iparam(ip_ptr, i: tl.constexpr):
-    return tl.load(ip_ptr + i).to(tl.uint64, bitcast=True)
-
-
-@triton.jit
 def _sqrt(x, F64: tl.constexpr):
     # correctly rounded in both precisions (float64 sqrt is sqrt.rn.f64 on CUDA)
     if F64:
@@ -382,15 +369,15 @@ def _mul64_hi(w, r):
 
 
 @triton.jit
-def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
+def _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
          OP: tl.constexpr, WB: tl.constexpr, MBITS: tl.constexpr, F64: tl.constexpr,
          FLAG: tl.constexpr, FLAG2: tl.constexpr, VIA_F32: tl.constexpr):
     """Value of element ``e`` from its word ``w`` (uint16-in-uint32, uint32 or uint64)."""
     if OP == UNIFORM:
         # FLAG: add the shift (a != 0); FLAG2: clamp below b
-        x = _to_float(_mask(w, MBITS), F64) * _param(fp_ptr, 0, F64)
+        x = _to_float(_mask(w, MBITS), F64) * _fparam(fa, F64)
         if FLAG:
-            x = x + _param(fp_ptr, 1, F64)
+            x = x + _fparam(fb, F64)
         if VIA_F32:
             y = _bf16_round(x)
         elif F64:
@@ -398,34 +385,34 @@ def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
         else:
             y = x.to(out_ptr.dtype.element_ty).to(tl.float32)  # exact round trip
         if FLAG2:
-            hi = _param(fp_ptr, 2, F64)  # the largest output value below b (exact in T)
+            hi = _fparam(fc, F64)  # the largest output value below b (exact in T)
             y = tl.where(y > hi, hi, y)
         _store_value(out_ptr, e, y, ok & (e < n), VIA_F32)
     elif OP == EXPONENTIAL:
-        u = (_to_float(_mask(w, MBITS), F64) + 1.0) * _param(fp_ptr, 0, F64)
+        u = (_to_float(_mask(w, MBITS), F64) + 1.0) * _fparam(fa, F64)
         lg = _log_t(u, F64)  # at most -eps/2 of the compute type, as torch (stream layout 4)
         if F64:
             lg = tl.minimum(lg, -1.1102230246251565e-16)
         else:
             lg = tl.minimum(lg, -5.9604644775390625e-08)
-        _store(out_ptr, e, lg * _param(fp_ptr, 1, F64), ok, n, VIA_F32)
+        _store(out_ptr, e, lg * _fparam(fb, F64), ok, n, VIA_F32)
     elif OP == CAUCHY:
-        u = (_to_float(_mask(w, MBITS), F64) + 0.5) * _param(fp_ptr, 0, F64)
-        t = _tan_t((u - 0.5) * _param(fp_ptr, 1, F64), F64)
-        _store(out_ptr, e, t * _param(fp_ptr, 2, F64) + _param(fp_ptr, 3, F64), ok, n, VIA_F32)
+        u = (_to_float(_mask(w, MBITS), F64) + 0.5) * _fparam(fa, F64)
+        t = _tan_t((u - 0.5) * _fparam(fb, F64), F64)
+        _store(out_ptr, e, t * _fparam(fc, F64) + _fparam(fd, F64), ok, n, VIA_F32)
     elif OP == GEOMETRIC:
         u = ((w & ((1 << 52) - 1)).to(tl.float64) + 0.5) * (2.0 ** -52)
-        g = tl.ceil(_log(u) / tl.load(fp_ptr + 0))  # float64 division is IEEE (div.rn.f64)
+        g = tl.ceil(_log(u) / _fparam(fa, True))  # float64 division is IEEE (div.rn.f64)
         if FLAG:  # int64 output: 2**63 has no int64 (nor has 2**63 - 1 a float64): cap by hand
             gi = tl.minimum(g, 9223372036854774784.0).to(tl.int64)  # 2**63 - 1024 converts
             gi = tl.where(g >= 9223372036854775808.0, 9223372036854775807, gi)
             _store(out_ptr, e, gi, ok, n, VIA_F32)
         else:
-            g = tl.minimum(g, tl.load(fp_ptr + 1))
+            g = tl.minimum(g, _fparam(fb, True))
             _store(out_ptr, e, g, ok, n, VIA_F32)
     elif OP == INTEGER:
         # FLAG: power-of-two range (mask); else Lemire with rejection of low < 2**W mod r
-        r = _iparam(ip_ptr, 0)
+        r = _uparam(ia)
         if FLAG:
             x = w.to(tl.uint64) & r
         else:
@@ -436,10 +423,10 @@ def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
             else:
                 x = _mul64_hi(w, r)
                 low = w * r
-            bad = (low < _iparam(ip_ptr, 1)) & ok & (e < n)
+            bad = (low < _uparam(ib)) & ok & (e < n)
             slot = tl.atomic_add(cnt_ptr + (e * 0).to(tl.int32), 1, mask=bad)
             tl.store(pos_ptr + slot, e, mask=bad & (slot < cap))
-        v = (x + _iparam(ip_ptr, 2)).to(tl.int64, bitcast=True)
+        v = (x + _uparam(ic)).to(tl.int64, bitcast=True)
         _store(out_ptr, e, v, ok, n, VIA_F32)
     elif OP == BERNOULLI:
         # FLAG: per-element p (float64 tensor)
@@ -449,7 +436,7 @@ def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
             thr = (tl.where(ones, 0.0, p) * 18446744073709551616.0).to(tl.uint64)
             v = (w < thr) | ones
         else:
-            v = w < _iparam(ip_ptr, 0)
+            v = w < _uparam(ia)
         _store(out_ptr, e, v.to(tl.int8), ok, n, VIA_F32)
 
 
@@ -457,7 +444,8 @@ def _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
 def _fparam(bits, F64: tl.constexpr):
     """A float parameter passed as the int64 bit pattern of a float64 (Python floats would be
     typed float32); float32 parameters are float32 values, so the conversion is exact."""
-    v = bits.to(tl.int64).to(tl.float64, bitcast=True)
+    v = bits.to(tl.uint64).to(tl.float64, bitcast=True)  # a value cast: as well for the
+    # interpreter's int32/uint32 scalars as for the int64 of compiled kernels
     if not F64:
         v = v.to(tl.float32)
     return v
@@ -466,7 +454,7 @@ def _fparam(bits, F64: tl.constexpr):
 @triton.jit
 def _uparam(bits):
     """An unsigned 64-bit parameter passed as a signed int64 scalar."""
-    return bits.to(tl.int64).to(tl.uint64, bitcast=True)
+    return bits.to(tl.uint64)
 
 
 @triton.jit
@@ -608,49 +596,52 @@ def normal_fill_kernel(out_ptr, tab_ptr, c0: tl.int64, c1: tl.int64, c2: tl.int6
 
 
 @triton.jit
-def _emit(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, d, ok, w0, w1, w2, w3,
+def _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d, ok, w0, w1, w2, w3,
           OP: tl.constexpr, WB: tl.constexpr, MBITS: tl.constexpr, F64: tl.constexpr,
           FLAG: tl.constexpr, FLAG2: tl.constexpr, VIA_F32: tl.constexpr):
     """All elements of draw unit ``d`` (16 bytes: little-endian words w0..w3)."""
     if WB == 2:
         e = 8 * d
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w0 & 0xFFFF, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w0 & 0xFFFF, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, w0 >> 16, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, w0 >> 16, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 2, w1 & 0xFFFF, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 2, w1 & 0xFFFF, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 3, w1 >> 16, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 3, w1 >> 16, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 4, w2 & 0xFFFF, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 4, w2 & 0xFFFF, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 5, w2 >> 16, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 5, w2 >> 16, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 6, w3 & 0xFFFF, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 6, w3 & 0xFFFF, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 7, w3 >> 16, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 7, w3 >> 16, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
     elif WB == 4:
         e = 4 * d
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w0, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w0, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, w1, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, w1, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 2, w2, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 2, w2, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 3, w3, ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 3, w3, ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
     else:
         e = 2 * d
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e, _u64(w0, w1), ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, _u64(w0, w1), ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, _u64(w2, w3), ok,
+        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, _u64(w2, w3), ok,
              OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
 
 
-@triton.jit(do_not_specialize=["c0", "c1", "c2", "c3", "skip", "n", "nlanes", "cap"])
-def fill_kernel(out_ptr, tab_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr,
-                c0, c1, c2, c3, skip, n, nlanes, cap,
+@triton.jit(do_not_specialize=["fa", "fb", "fc", "fd", "ia", "ib", "ic", "c0", "c1", "c2", "c3",
+                               "skip", "n", "nlanes", "cap"])
+def fill_kernel(out_ptr, tab_ptr, p_ptr, cnt_ptr, pos_ptr, fa: tl.int64, fb: tl.int64,
+                fc: tl.int64, fd: tl.int64, ia: tl.int64, ib: tl.int64, ic: tl.int64,
+                c0: tl.int64, c1: tl.int64, c2: tl.int64, c3: tl.int64, skip: tl.int64,
+                n: tl.int64, nlanes: tl.int64, cap: tl.int64,
                 CIPHER: tl.constexpr, OP: tl.constexpr, WB: tl.constexpr, MBITS: tl.constexpr,
                 F64: tl.constexpr, FLAG: tl.constexpr, FLAG2: tl.constexpr,
                 VIA_F32: tl.constexpr, BLOCK: tl.constexpr):
@@ -665,19 +656,19 @@ def fill_kernel(out_ptr, tab_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr,
                              c3.to(tl.uint32), lane.to(tl.uint32))
     if CIPHER == AES128:
         w0, w1, w2, w3 = _aes_block(tab_ptr, i0, i1, i2, i3)
-        _emit(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, lane, live,
+        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, lane, live,
               w0, w1, w2, w3, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
     else:
         (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
          x15) = _chacha_block(tab_ptr, i0, i1, i2, i3)
         d = 4 * lane - skip
-        _emit(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, d, live & (d >= 0),
+        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d, live & (d >= 0),
               x0, x1, x2, x3, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _emit(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 1, live & (d >= -1),
+        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 1, live & (d >= -1),
               x4, x5, x6, x7, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _emit(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 2, live & (d >= -2),
+        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 2, live & (d >= -2),
               x8, x9, x10, x11, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _emit(out_ptr, fp_ptr, ip_ptr, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 3, live & (d >= -3),
+        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 3, live & (d >= -3),
               x12, x13, x14, x15, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
 
 
