@@ -59,7 +59,10 @@ def update_bn(
     call = default_forward if forward is None else forward
     modes = {m: m.training for m in model.modules()}
     momenta = {m: m.momentum for m in layers}
+    # the statistics as they were, put back when no new ones are computed (empty loader, error)
+    saved = {layer: {k: v.clone() for k, v in layer.state_dict().items()} for layer in layers}
     n_batches = 0
+    done = False
     try:
         for layer in layers:
             layer.reset_running_stats()
@@ -70,7 +73,13 @@ def update_bn(
                 break
             call(model, to_device(batch, device))
             n_batches += 1
+        done = n_batches > 0
     finally:
+        if not done:
+            with torch.no_grad():
+                for layer, state in saved.items():
+                    for k, v in layer.state_dict().items():
+                        v.copy_(state[k])
         for layer, momentum in momenta.items():
             layer.momentum = momentum
         for module, training in modes.items():
