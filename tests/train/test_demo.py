@@ -370,3 +370,12 @@ def test_demo_tuning_script_picks_the_rate_with_the_best_held_out_accuracy(tmp_p
     assert result["chosen_lr"] == min(r["lr"] for r in result["rows"] if round(r["mean"], 4) == best)
     assert all(len(r["val_accuracy"]) == 3 for r in result["rows"])
     assert all(0.0 <= a <= 1.0 for r in result["rows"] for a in r["val_accuracy"])
+
+
+def test_reading_never_credits_a_plain_sgd_iterate_with_a_gain_over_sgd():
+    # the SWA run's final iterate is plain SGD: when it is best, it is compared with the best
+    # weight-averaging method, never reported as "a measurable gain" over the SGD baselines
+    table = dict(_BASE, **{"SGD (SWA run, final iterate)": (0.990, 0.001)})
+    p = _paragraph(_table(table))
+    assert "measurable gain" not in p
+    assert "the best weight-averaging method, SWA, had 0.925±0.010" in p

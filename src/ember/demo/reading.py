@@ -55,7 +55,9 @@ def _compare(table: dict[str, dict[str, Any]], metric: str) -> tuple[str, str, f
     ``None`` when a spread is missing). The rival of a baseline is the best weight-averaging
     method, that of any other method the best baseline."""
     best = best_method(table, metric)
-    rival = best_method(table, metric, AVERAGING if best in BASELINES else BASELINES)
+    # a plain SGD model (a baseline or the SWA run's final iterate) is compared with the best
+    # weight-averaging method; an averaging method with the best baseline
+    rival = best_method(table, metric, AVERAGING if best not in AVERAGING else BASELINES)
     a, b = table[best][metric], table[rival][metric]
     diff = abs(a["mean"] - b["mean"])
     if _std(a) is None or _std(b) is None:
@@ -71,7 +73,7 @@ def _meaning(best: str, rival: str, clear: bool | None, tie: bool, metric: str) 
         lead = f"{best} and {rival} tie on {name}" if tie else \
             f"{best} led on {name}, but by no more than the seed spread over {rival}"
         return lead + ": no measurable difference with this many seeds."
-    if best in BASELINES:
+    if best not in AVERAGING:
         return (f"a plain SGD baseline ({best}) beat the best weight-averaging method ({rival}) "
                 f"on {name} by more than the seed spread: on data like this, tune and "
                 "early-stop SGD before reaching for averaging.")
@@ -82,7 +84,7 @@ def _meaning(best: str, rival: str, clear: bool | None, tie: bool, metric: str) 
 def _sentence(table: dict[str, dict[str, Any]], metric: str) -> tuple[str, str]:
     best, rival, diff, clear = _compare(table, metric)
     tie = _tied(table[best][metric], table[rival][metric])
-    role = "the best weight-averaging method" if best in BASELINES else "the best baseline"
+    role = "the best weight-averaging method" if best not in AVERAGING else "the best baseline"
     spread = {True: "larger than the seed spread", False: "within the seed spread",
               None: "no seed spread (one seed)"}[clear]
     if tie:
