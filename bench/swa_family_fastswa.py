@@ -58,15 +58,10 @@ BASE_LR = 0.05
 
 
 def _tuning():
-    """bench/swa_family_tuning.py (the baseline's tuning step), loaded by path as this file is."""
-    name = "swa_family_tuning"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
+    """bench/swa_family_tuning.py (the baseline's tuning step), imported from this file's folder."""
+    if str(Path(__file__).parent) not in sys.path:
+        sys.path.append(str(Path(__file__).parent))
+    return importlib.import_module("swa_family_tuning")
 
 
 def _data():
