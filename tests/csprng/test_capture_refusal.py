@@ -13,30 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_cuda import cuda
 
 import ember.csprng as csprng
 from ember.csprng import cuda_backend, torch_adapter
 from ember.csprng.foreach import secure_noise_foreach_
-
-
-class OnCuda(torch.Tensor):
-    """A CPU tensor that says it is on CUDA: the CUDA routes run their host logic on it."""
-
-    @property
-    def is_cuda(self) -> bool:
-        return True
-
-    @property
-    def is_cpu(self) -> bool:
-        return False
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", 0)
-
-
-def cuda(t: torch.Tensor) -> OnCuda:
-    return t.as_subclass(OnCuda)
 
 
 def _tracked() -> torch.Tensor:

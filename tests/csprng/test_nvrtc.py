@@ -8,6 +8,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from fake_cuda import cuda
 
 import ember.csprng as csprng
 from ember.csprng import cuda_backend, cuda_fast, nvrtc_kernels
@@ -189,22 +190,6 @@ def test_every_fast_path_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     assert len(cached) == len(nvrtc_kernels.KERNELS) and all(f.stat().st_size > 0 for f in cached)
 
 
-class OnCuda(torch.Tensor):
-    """A CPU tensor that says it is on CUDA: the CUDA routes run their host logic on it."""
-
-    @property
-    def is_cuda(self) -> bool:
-        return True
-
-    @property
-    def is_cpu(self) -> bool:
-        return False
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", 0)
-
-
 class _NoGpuDriver:
     """The driver calls a kernel load reaches before its compilation fails."""
 
@@ -249,8 +234,8 @@ def broken_nvrtc(tmp_path, monkeypatch):
 def test_a_kernel_that_fails_to_load_warns_once_and_triton_fills(broken_nvrtc):
     compiles, fallback = broken_nvrtc
     g, h = csprng.create_generator(5), csprng.create_generator(5)
-    a = torch.empty(300).as_subclass(OnCuda)
-    b = torch.empty(301, dtype=torch.int64).as_subclass(OnCuda)
+    a = cuda(torch.empty(300))
+    b = cuda(torch.empty(301, dtype=torch.int64))
     with pytest.warns(RuntimeWarning, match=r"NVRTC path is unavailable \(.*NVRTC compilation for sm_1"
                       ) as caught:
         a.uniform_(generator=g)
@@ -274,7 +259,7 @@ def test_a_foreach_kernel_that_fails_to_load_warns_once_and_triton_fills(broken_
     compiles, fallback = broken_nvrtc
     g, h = csprng.create_generator(6), csprng.create_generator(6)
     shapes = [(3, 5), (7,), (2, 2)]
-    ts = [torch.empty(s).as_subclass(OnCuda) for s in shapes]
+    ts = [cuda(torch.empty(s)) for s in shapes]
     with pytest.warns(RuntimeWarning, match=r"NVRTC path is unavailable \(.*NVRTC compilation for sm_1"
                       ) as caught:
         csprng.normal_foreach_(ts, 1.5, generator=g)
