@@ -11,12 +11,14 @@ stream and writes nothing.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from fake_cuda import cuda
 
 import ember.csprng as csprng
-from ember.csprng import cuda_backend, torch_adapter
+from ember.csprng import cuda_backend, ops, torch_adapter
 from ember.csprng.foreach import secure_noise_foreach_
 
 
@@ -56,6 +58,39 @@ ROUTES = {
         [torch.empty(3), cuda(torch.empty(3))], 1.0, generator=g),
     "secure_noise_foreach_ mixed": lambda g: secure_noise_foreach_(
         [torch.empty(3), cuda(torch.empty(3))], 1.0, generator=g),
+    # host work on CUDA tensors outside the generator API: the functional op reads its state on
+    # the host; AES with a CUDA key or without the device kernel and AES-GCM (a replay would
+    # reuse the nonce) read their tensors on the host
+    "ops.sample": lambda g: ops.sample(cuda(ops.state_of(g)), "uniform_", (3,)),
+    "encrypt cuda key": lambda g: csprng.encrypt(cuda(torch.zeros(16, dtype=torch.uint8)),
+                                                 cuda(torch.empty(16, dtype=torch.uint8)), _KEY),
+    "decrypt cuda key": lambda g: csprng.decrypt(cuda(torch.zeros(16, dtype=torch.uint8)),
+                                                 cuda(torch.empty(16, dtype=torch.uint8)), _KEY),
+    "encrypt_gcm": lambda g: csprng.encrypt_gcm(cuda(torch.zeros(16, dtype=torch.uint8)), bytes(16)),
+    "decrypt_gcm": lambda g: csprng.decrypt_gcm(cuda(torch.zeros(16, dtype=torch.uint8)), bytes(16),
+                                                bytes(12), bytes(16), dtype=torch.uint8, shape=(16,)),
+}
+
+_KEY = cuda(torch.arange(16, dtype=torch.uint8))
+
+# what each refusal names: the function or Tensor method the user called (the sampler method
+# for draws that reach the generator through torch's own functions)
+OPS = {
+    "uniform_ tracked": "Tensor.uniform_", "normal_ tracked": "Tensor.normal_",
+    "random_ tracked": "Tensor.random_ (torch.randint)", "bernoulli_ tracked": "Tensor.bernoulli_",
+    "uniform_": "Tensor.uniform_", "cauchy_ non-contiguous": "Tensor.cauchy_",
+    "complex normal_": "Tensor.normal_", "rand out=": "Tensor.uniform_",
+    "rand_like": "Tensor.uniform_", "randn_like": "Tensor.normal_",
+    "randint_like": "Tensor.random_ (torch.randint)", "randperm out=": "torch.randperm",
+    "multinomial": "torch.multinomial", "Tensor.multinomial": "torch.multinomial",
+    "multinomial out=": "torch.multinomial", "poisson": "torch.poisson",
+    "poisson positional": "torch.poisson", "normal(Tensor, float)": "torch.normal",
+    "normal(float, Tensor)": "torch.normal", "normal out=": "torch.normal",
+    "bernoulli": "torch.bernoulli", "bernoulli p, cpu out=": "torch.bernoulli",
+    "bernoulli_ cuda p": "Tensor.bernoulli_", "normal_foreach_ mixed": "normal_foreach_",
+    "secure_noise_foreach_ mixed": "secure_noise_foreach_", "ops.sample": "ember.csprng.ops.sample",
+    "encrypt cuda key": "ember.csprng.encrypt", "decrypt cuda key": "ember.csprng.decrypt",
+    "encrypt_gcm": "ember.csprng.encrypt_gcm", "decrypt_gcm": "ember.csprng.decrypt_gcm",
 }
 
 
@@ -69,8 +104,8 @@ def test_a_draw_during_capture_is_refused_and_consumes_nothing(capturing, route)
     g = csprng.create_generator(11)
     csprng_state = g.get_state()
     with pytest.raises(cuda_backend.CaptureError,
-                       match=r"cannot draw while a CUDA graph is being captured \(every replay would "
-                             r"repeat the same random numbers\)"):
+                       match=rf"^ember\.csprng: {re.escape(OPS[route])} cannot run while a CUDA graph "
+                             r"is being captured \(every replay would repeat the same random numbers\)"):
         ROUTES[route](g)
     assert g.get_state().equal(csprng_state) and g.counter == 0
 

@@ -4,6 +4,7 @@ the CUDA-graph capture refusal; the ``cuda`` tests compare it with the CPU strea
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import numpy as np
 import pytest
@@ -275,6 +276,24 @@ def test_a_foreach_kernel_that_fails_to_load_warns_once_and_triton_fills(broken_
     assert g.get_state().equal(h.get_state())
     for t, w in zip(ts, want, strict=True):
         torch.testing.assert_close(t.as_subclass(torch.Tensor), w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_forced_nvrtc_path_that_fails_to_load_raises_on_every_draw(broken_nvrtc, monkeypatch):
+    """``EMBER_CSPRNG_CUDA=nvrtc`` (tests, benchmarks) never quietly runs another path: each
+    draw raises, naming the setting, before anything is reserved; no warning is repeated."""
+    compiles, fallback = broken_nvrtc
+    monkeypatch.setenv("EMBER_CSPRNG_CUDA", "nvrtc")
+    g = csprng.create_generator(7)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning would be raised instead of the error
+            with pytest.raises(RuntimeError, match=r"EMBER_CSPRNG_CUDA=nvrtc forces the NVRTC path, "
+                               r"which is unavailable here \(.*NVRTC compilation for sm_1"):
+                cuda(torch.empty(300)).uniform_(generator=g)
+            with pytest.raises(RuntimeError, match="EMBER_CSPRNG_CUDA=nvrtc"):
+                csprng.normal_foreach_([cuda(torch.empty(3))], 1.0, generator=g)
+    assert fallback == [] and g.counter == 0 and not cuda_backend._FAST_BROKEN
+    assert compiles == ["ember_aes_uniform", "ember_aes_normal_multi"] * 2
 
 
 def test_draw_during_graph_capture_is_refused(monkeypatch):

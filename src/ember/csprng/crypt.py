@@ -56,6 +56,14 @@ def _check_device(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be on the CPU or a CUDA device, got device {t.device}")
 
 
+def _refuse_host_route(op: str, *tensors: torch.Tensor) -> None:
+    """Refuse, during CUDA graph capture, a call that reads a CUDA tensor on the host: the
+    capture cannot hold the host work, and a replay would reuse its result (for GCM, its nonce)."""
+    from .torch_adapter import _refuse_capture
+
+    _refuse_capture(op, *tensors)
+
+
 def _check_same_device(input: torch.Tensor, output: torch.Tensor) -> None:
     if input.device != output.device:
         raise ValueError(
@@ -189,13 +197,16 @@ def _device_crypt(
         dst_bytes.copy_(dst.view(torch.uint8)[:n_out])
 
 
-def _checked(input, output, key, cipher: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+def _checked(input, output, key, cipher: str, mode: str,
+             op: str) -> tuple[torch.Tensor, torch.Tensor, bytes]:
     """The checks shared by encrypt and decrypt: (input, output, raw 16-byte key)."""
     input, output = _check_tensor("input", input), _check_tensor("output", output)
     _check_tensor("key", key)
     _check_device(input=input, output=output, key=key)
     _check_same_device(input, output)
     _check_cipher_mode(cipher, mode)
+    if key.is_cuda or _kernels_for(input) is None:  # a CUDA tensor read on the host
+        _refuse_host_route(f"ember.csprng.{op}", input, key)
     raw_key = _key_bytes(key, (16,))
     _check_output(output)
     return input, output, raw_key
@@ -211,7 +222,7 @@ def encrypt(
     on the same device; CUDA tensors are encrypted there by a Triton kernel. Unauthenticated: prefer
     :func:`encrypt_gcm`.
     """
-    input, output, raw_key = _checked(input, output, key, cipher, mode)
+    input, output, raw_key = _checked(input, output, key, cipher, mode, "encrypt")
     n_in = _nbytes(input)
     padded = -(-n_in // BLOCK) * BLOCK
     if _nbytes(output) != padded:
@@ -236,7 +247,7 @@ def decrypt(
 
     ``output`` may be up to 15 bytes shorter than ``input``: the trailing padding is dropped.
     """
-    input, output, raw_key = _checked(input, output, key, cipher, mode)
+    input, output, raw_key = _checked(input, output, key, cipher, mode, "decrypt")
     n_in, n_out = _nbytes(input), _nbytes(output)
     if n_in % BLOCK:
         raise ValueError(f"input: expected a multiple of {BLOCK} bytes, got {n_in} bytes")
@@ -310,6 +321,7 @@ def encrypt_gcm(
     """
     input = _check_tensor("input", input)
     _check_device(input=input)
+    _refuse_host_route("ember.csprng.encrypt_gcm", input, key)
     raw_key = _key_bytes(key, _GCM_KEY_BYTES)
     if nonce is None:
         nonce = os.urandom(12)
@@ -354,6 +366,7 @@ def decrypt_gcm(
                         "(they are authenticated with the data)")
     ct = _check_tensor("ciphertext", ciphertext)
     _check_device(ciphertext=ct)
+    _refuse_host_route("ember.csprng.decrypt_gcm", ct, key)
     if nonce is None or tag is None:
         raise TypeError("decrypt_gcm: nonce and tag are required with a ciphertext tensor")
     raw_key = _key_bytes(key, _GCM_KEY_BYTES)

@@ -330,8 +330,10 @@ def triton_fill_(
         p = _bernoulli_p(tensor, params[0])
     else:
         p = None
-        # the CPU sampler validates the arguments (same errors) and reserves nothing for 0 elements
-        getattr(sampler, method)(torch.empty(0, dtype=tensor.dtype), *params)
+        if params not in _DEFAULTS.get(method, ()) or tensor.dtype not in _FLOAT_BITS:
+            # the CPU sampler validates the arguments (same errors) and reserves nothing for 0
+            # elements; default arguments on a float dtype need no check
+            getattr(sampler, method)(torch.empty(0, dtype=tensor.dtype), *params)
     n = tensor.numel()
     if blocks_for(n * 8) > MAX_LANES:
         return False
@@ -691,8 +693,15 @@ class CaptureError(RuntimeError):
     """A draw while a CUDA graph is being captured: a replay would repeat the same numbers."""
 
 
-def refuse_capture() -> None:
-    """Raise :class:`CaptureError` when the current CUDA stream is capturing a graph.
+# sampler methods as a torch user calls them, for messages
+_OP_NAMES = {m: f"Tensor.{m}" for m in ("uniform_", "normal_", "log_normal_", "exponential_",
+                                         "cauchy_", "geometric_", "bernoulli_", "random_")}
+_OP_NAMES.update(random_range_="Tensor.random_ (torch.randint)", randperm_="torch.randperm")
+
+
+def refuse_capture(op: str = "a draw") -> None:
+    """Raise :class:`CaptureError`, naming ``op`` (a function or a sampler method), when the
+    current CUDA stream is capturing a graph.
 
     The stream position is kept on the host: a captured draw would be replayed with the same
     counter, i.e. the same values, on every replay of the graph.
@@ -703,9 +712,9 @@ def refuse_capture() -> None:
         capturing = False
     if capturing:
         raise CaptureError(
-            "ember.csprng: cannot draw while a CUDA graph is being captured (every replay would "
-            "repeat the same random numbers); draw outside the captured region, e.g. into a "
-            "static tensor before each replay")
+            f"ember.csprng: {_OP_NAMES.get(op, op)} cannot run while a CUDA graph is being "
+            "captured (every replay would repeat the same random numbers); draw outside the "
+            "captured region, e.g. into a static tensor before each replay")
 
 
 def fast_path() -> str:
@@ -729,9 +738,28 @@ def fast_path() -> str:
 _FAST_BROKEN: list[str] = []
 
 
+def nvrtc_broken(exc: Exception, stacklevel: int) -> None:
+    """An NVRTC kernel failed to compile or load (nothing was reserved yet).
+
+    Forced (``EMBER_CSPRNG_CUDA=nvrtc``): raise, since a forced path that quietly ran another
+    would mislead the test or benchmark that forced it. Otherwise: mark the path broken and warn
+    once; the Triton path (else the CPU path) fills from now on.
+    """
+    if os.environ.get("EMBER_CSPRNG_CUDA", "").lower() == "nvrtc":
+        raise RuntimeError(
+            f"ember.csprng: EMBER_CSPRNG_CUDA=nvrtc forces the NVRTC path, which is unavailable "
+            f"here ({exc}); unset EMBER_CSPRNG_CUDA or set it to triton or cpu") from exc
+    _FAST_BROKEN.append(str(exc))
+    import warnings
+
+    fallback = "Triton" if triton_available() else "the CPU path"
+    warnings.warn(f"ember.csprng: the NVRTC path is unavailable ({exc}); using {fallback}",
+                  RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def cuda_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -> bool:
     """The ``"cuda"`` device backend: NVRTC kernels, else Triton kernels, else False (CPU path)."""
-    refuse_capture()
+    refuse_capture(method)
     path = fast_path()
     if path == "nvrtc":
         from . import cuda_fast
@@ -741,11 +769,7 @@ def cuda_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) ->
                 _fast_fill(sampler, tensor, method, params)
                 return True
             except _LoadError as exc:
-                _FAST_BROKEN.append(str(exc))
-                import warnings
-
-                warnings.warn(f"ember.csprng: the NVRTC path is unavailable ({exc}); using Triton",
-                              RuntimeWarning, stacklevel=3)
+                nvrtc_broken(exc, stacklevel=3)
                 path = fast_path()
     if path == "cpu" or not triton_available():
         return False

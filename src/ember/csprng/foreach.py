@@ -57,7 +57,7 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
         return tensors
     # one call per tensor: a CUDA tensor among them is refused during graph capture before the
     # first tensor is drawn, not after the CPU tensors before it have consumed stream
-    _refuse_capture(*tensors)
+    _refuse_capture("normal_foreach_", *tensors)
     for t in tensors:
         fill_(t, generator, "normal_", mean, std)
     return tensors
@@ -76,28 +76,14 @@ def _one_launch(sampler: NativeSampler, tensors: list[torch.Tensor], kernel: str
         if (t.device != dev or t.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
                 or not t.is_contiguous() or t.layout != torch.strided):
             return False
-    cuda_backend.refuse_capture()
+    cuda_backend.refuse_capture("normal_foreach_" if kernel is None else "secure_noise_foreach_")
     names = (kernel or f"ember_{'aes' if sampler.stream.cipher_name == 'aes128' else 'chacha'}_normal_multi",)
     try:  # compiled and loaded before anything is reserved
         cuda_fast.launcher().functions(dev.index or 0, names)
     except Exception as exc:  # no cuda-bindings, no NVRTC for this GPU, no driver
-        _fast_path_broken(exc)
+        cuda_backend.nvrtc_broken(exc, stacklevel=3)  # warns once (or raises when forced)
         return False
     return True
-
-
-def _fast_path_broken(exc: Exception) -> None:
-    """Mark the NVRTC path broken after a kernel failed to compile or load, as the per-tensor
-    fills do (``cuda_backend.cuda_fill``): warn once and use the Triton path (else the CPU path)
-    from now on, instead of trying to compile again on every call."""
-    import warnings
-
-    from . import cuda_backend
-
-    cuda_backend._FAST_BROKEN.append(str(exc))
-    fallback = "Triton" if cuda_backend.triton_available() else "the CPU path"
-    warnings.warn(f"ember.csprng: the NVRTC path is unavailable ({exc}); using {fallback}",
-                  RuntimeWarning, stacklevel=4)
 
 
 def secure_noise_foreach_(tensors: Sequence[torch.Tensor], std: float, *,
@@ -122,7 +108,7 @@ def secure_noise_foreach_(tensors: Sequence[torch.Tensor], std: float, *,
         raise ValueError(f"secure_noise_foreach_: expected std > 0, got {std}")
     from .torch_adapter import _refuse_capture
 
-    _refuse_capture(*tensors)  # before anything is allocated or drawn
+    _refuse_capture("secure_noise_foreach_", *tensors)  # before anything is allocated or drawn
     sampler = generator.sampler()
     if (tensors and type(sampler) is NativeSampler and sampler.stream.cipher_name == "aes128"
             and _one_launch(sampler, tensors, "ember_aes_secure_noise")):

@@ -39,6 +39,10 @@ def _sample(state: torch.Tensor, method: str, shape: list[int], dtype: torch.dty
             fparams: list[float], iparams: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     if method not in _METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {_METHODS}")
+    if state.is_cuda:  # the draw runs on the host: a captured one would replay the same values
+        from .torch_adapter import _refuse_capture
+
+        _refuse_capture("ember.csprng.ops.sample", state)
     stream = _stream_from(state)
     out = torch.empty(shape, dtype=dtype)
     getattr(NativeSampler(stream), method)(out, *iparams, *fparams)

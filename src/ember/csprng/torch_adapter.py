@@ -187,15 +187,15 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
         return t
     # drawn on the CPU and copied in: refused while a CUDA graph is captured (the tracked and
     # fallback fills of CUDA tensors do not pass through the backend's own refusal)
-    _refuse_capture(t, *params)
+    _refuse_capture(method, t, *params)
     tmp = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     getattr(sampler, method)(tmp, *params)
     t.copy_(tmp)
     return t
 
 
-def _refuse_capture(*args: Any) -> None:
-    """Raise :class:`~ember.csprng.cuda_backend.CaptureError` when one of ``args`` is a CUDA
+def _refuse_capture(op: str, *args: Any) -> None:
+    """Raise :class:`~ember.csprng.cuda_backend.CaptureError`, naming ``op``, when one of ``args`` is a CUDA
     tensor and the current CUDA stream is capturing a graph: the draw happens on the host, so every
     replay would repeat its values. Called before anything is drawn: a refused draw consumes no
     stream."""
@@ -203,7 +203,7 @@ def _refuse_capture(*args: Any) -> None:
         if isinstance(a, torch.Tensor) and a.is_cuda:
             from .cuda_backend import refuse_capture
 
-            refuse_capture()
+            refuse_capture(op)
             return
 
 
@@ -509,7 +509,7 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     # torch draws into the output (out=, else a tensor of mean's dtype, or std's for a float
     # mean) and scales and shifts it in place: the output keeps that dtype
     dtype = out.dtype if out is not None else ref.dtype
-    _refuse_capture(mean, std, out)  # a CPU draw copied into a CUDA out= is refused too
+    _refuse_capture("torch.normal", mean, std, out)  # a CPU draw copied into a CUDA out= is refused too
     # the tensor overloads draw standard normals, then scale and shift them
     z = fill_(torch.empty(shape, dtype=dtype, device=ref.device), g, "normal_", 0.0, 1.0)
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
@@ -554,7 +554,7 @@ def _bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if p is None and not (input.is_floating_point() or input.is_complex()):
         raise UnsupportedDtype(f"bernoulli: not implemented for p of dtype {input.dtype} "
                                "(torch raises too)")
-    _refuse_capture(input, out)  # before out= is resized: a refused call changes nothing
+    _refuse_capture("torch.bernoulli", input, out)  # before out= is resized: a refused call changes nothing
     t = out.resize_(input.shape) if out is not None else torch.empty_like(
         input, memory_format=torch.contiguous_format)
     res = fill_(t, g, "bernoulli_", input if p is None else p)
@@ -610,7 +610,7 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
             raise InvalidArgument(f"multinomial: prob_dist must be 1 or 2 dim, got {input.dim()}")
         res = torch.empty((*input.shape[:-1], num_samples), dtype=torch.int64, device=input.device)
         return out.resize_(res.shape) if out is not None else res
-    _refuse_capture(input, out)  # drawn on the CPU, then copied to the input's device
+    _refuse_capture("torch.multinomial", input, out)  # drawn on the CPU, then copied to the input's device
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
         res = g.sampler().multinomial(_unwrapped(input), num_samples, bool(replacement))
     res = res.to(input.device)
@@ -625,7 +625,7 @@ def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
         raise UnsupportedDtype(f"poisson: not implemented for {input.dtype} (torch raises too)")
     if _abstract(input):  # shapes only: nothing to draw
         return torch.empty_like(input)
-    _refuse_capture(input)  # drawn on the CPU, then copied to the input's device
+    _refuse_capture("torch.poisson", input)  # drawn on the CPU, then copied to the input's device
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
         res = generator.sampler().poisson(_unwrapped(input))
     return _no_gradient(res.to(input.device), input, "poisson")
@@ -706,7 +706,7 @@ def _bernoulli_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     (p,) = _pick(args, kwargs, ("p",), (0.5,))
     if isinstance(p, torch.Tensor) and p.is_cuda:  # a CUDA p read for a CPU draw (a CUDA self
-        _refuse_capture(p)  # is refused by its fill)
+        _refuse_capture("Tensor.bernoulli_", p)  # is refused by its fill)
     return fill_(self, g, "bernoulli_", p)
 
 
