@@ -1,4 +1,4 @@
-"""Shared helpers: moving batches to a device, calling a model on a batch, compile prefixes."""
+"""Shared helpers: moving batches to a device, calling a model on a batch, wrapper prefixes."""
 
 from __future__ import annotations
 
@@ -43,17 +43,49 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
     )
 
 
-def strip_compile_prefix(name: str) -> str:
-    """Return a parameter/buffer name without wrapper prefixes.
+def wrapped_child(module: nn.Module) -> str | None:
+    """The name of the child that the wrapper ``module`` wraps, ``None`` if it wraps nothing.
 
-    Removes every ``_orig_mod.`` part (``torch.compile``, also of a submodule) and the leading
-    ``module.`` parts of ``DistributedDataParallel``/``DataParallel``, nested in any order
-    (``module._orig_mod.x``, ``_orig_mod.module.x``).
+    ``torch.compile``'s ``OptimizedModule`` holds the module as ``_orig_mod`` (recognised by that
+    child, as :func:`unwrap_compiled` does: a module with an ``_orig_mod`` child module is treated
+    as a compile wrapper); ``DistributedDataParallel``/``DataParallel`` hold it as ``module`` and
+    are recognised by type only, since plain models may well have a child called ``module``.
     """
-    parts = [part for part in name.split(".") if part != "_orig_mod"]
-    while len(parts) > 1 and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
+    orig = getattr(module, "_orig_mod", None)
+    if isinstance(orig, nn.Module) and module._modules.get("_orig_mod") is orig:
+        return "_orig_mod"
+    if _is_data_parallel(module):
+        return "module"
+    return None
+
+
+def unwrapped_names(model: nn.Module) -> Callable[[str], str]:
+    """Return a function that maps a name of ``model`` (from ``named_parameters()``,
+    ``named_buffers()`` or ``state_dict()``) to the name without the wrappers' parts.
+
+    Only the parts that are a wrapper's are removed: the ``module.`` of each
+    ``DistributedDataParallel``/``DataParallel`` and the ``_orig_mod.`` of each ``torch.compile``
+    wrapper in the module tree (around the model, nested in any order, or around a submodule).
+    A child that the model itself calls ``module`` keeps its name.
+    """
+    parts = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        child = wrapped_child(module)
+        if child is not None:
+            parts.add(f"{path}.{child}" if path else child)
+    if not parts:
+        return lambda name: name
+
+    def strip(name: str) -> str:
+        kept = []
+        path = ""
+        for part in name.split("."):
+            path = f"{path}.{part}" if path else part
+            if path not in parts:
+                kept.append(part)
+        return ".".join(kept)
+
+    return strip
 
 
 def _is_data_parallel(model: nn.Module) -> bool:
@@ -63,9 +95,7 @@ def _is_data_parallel(model: nn.Module) -> bool:
 def unwrap_compiled(model: nn.Module) -> nn.Module:
     """Return the module inside ``torch.compile``/DDP/``DataParallel`` wrappers, nested."""
     while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        elif _is_data_parallel(model):
-            model = model.module
-        else:
+        child = wrapped_child(model)
+        if child is None:
             return model
+        model = getattr(model, child)

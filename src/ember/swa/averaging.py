@@ -3,10 +3,11 @@
 ``AveragedModel``, ``SWALR`` and the averaging-function helpers are torch's own, re-exported.
 ``EMA`` and ``SWA`` are ``nn.Module``\\ s with ``AveragedModel``'s interface and add what it
 lacks: averaging into a copy you provide (FSDP, compiled models) instead of a deep copy, matching
-by name with the ``_orig_mod.`` prefix of ``torch.compile`` and the ``module.`` prefix of
-DDP/``DataParallel`` ignored (nested, on either side), tensors looked up on every update (so the
-copy may be moved with ``.to()``/``.half()``/``.cuda()``; half-precision copies are averaged in
-float32), integer buffers copied rather than averaged, foreach updates, and EMA decay warm-ups.
+by name with the ``_orig_mod.`` part of ``torch.compile`` and the ``module.`` part of
+DDP/``DataParallel`` ignored where those wrappers are (nested, on either side), tensors looked
+up on every update (so the copy may be moved with ``.to()``/``.half()``/``.cuda()``;
+half-precision copies are averaged in float32), integer buffers copied rather than averaged,
+foreach updates, and EMA decay warm-ups.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.optim.swa_utils import (
 )
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-from ember.swa._batches import strip_compile_prefix, unwrap_compiled
+from ember.swa._batches import unwrap_compiled, unwrapped_names, wrapped_child
 
 __all__ = [
     "EMA",
@@ -62,8 +63,9 @@ def _named_state(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     out: dict[str, tuple[Tensor, bool]] = {}
     items = [(n, p, True) for n, p in model.named_parameters()]
     items += [(n, b, False) for n, b in model.named_buffers()]
+    strip = unwrapped_names(model)
     for name, t, is_param in items:
-        key = strip_compile_prefix(name)
+        key = strip(name)
         if key in out:
             raise ValueError(
                 f"two tensors of the model have the name {key!r} once wrapper prefixes "
@@ -86,13 +88,9 @@ def _wrapper_prefix(model: nn.Module) -> str:
     """The name prefix the ``torch.compile``/DDP/``DataParallel`` wrappers around ``model`` add
     (``"_orig_mod."``, ``"module."``, nested), i.e. what :func:`unwrap_compiled` removes."""
     prefix = ""
-    while model is not unwrap_compiled(model):
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            prefix += "_orig_mod."
-            model = model._orig_mod
-        else:
-            prefix += "module."
-            model = model.module
+    while (child := wrapped_child(model)) is not None:
+        prefix += f"{child}."
+        model = getattr(model, child)
     return prefix
 
 
@@ -219,10 +217,23 @@ class _Averager(nn.Module):
             for k, v in inner.items():
                 state_dict[f"{prefix}module.{k}"] = v
         if self._prefix:
-            wrapped = f"{prefix}module.{self._prefix}"
-            for key in [k for k in state_dict if k.startswith(wrapped)]:
-                state_dict[f"{prefix}module.{key[len(wrapped):]}"] = state_dict.pop(key)
+            self._unwrap_names(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def _unwrap_names(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Rename ``module.<wrapper prefix>x`` to ``module.x`` when the state dict has the
+        wrapper's names. Both layouts are accepted; which one a state dict has is decided by which
+        matches more of the copy's names (a model with a child called ``module`` has names like
+        ``module.module.x`` in both), so either loads strictly."""
+        plain = f"{prefix}module."
+        wrapped = plain + self._prefix
+        expected = {plain + k for k in self.module.state_dict(keep_vars=True)}
+        keys = [k for k in state_dict if k.startswith(plain)]
+        renamed = {k: plain + k[len(wrapped):] for k in keys if k.startswith(wrapped)}
+        as_is = sum(k in expected for k in keys)
+        if sum(v in expected for v in renamed.values()) > as_is:
+            for key, new in renamed.items():
+                state_dict[new] = state_dict.pop(key)
 
     # -- pairing ---------------------------------------------------------------------------------
 

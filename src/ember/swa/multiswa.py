@@ -14,14 +14,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ember.swa._batches import strip_compile_prefix
+from ember.swa._batches import unwrapped_names
 from ember.swa.bn import update_bn
 
 __all__ = ["MultiSWA"]
 
 
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    return [(strip_compile_prefix(k), tuple(v.shape)) for k, v in model.state_dict().items()]
+    strip = unwrapped_names(model)
+    return [(strip(k), tuple(v.shape)) for k, v in model.state_dict().items()]
 
 
 class MultiSWA:

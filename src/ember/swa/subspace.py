@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ember.swa._batches import strip_compile_prefix, unwrap_compiled
+from ember.swa._batches import unwrap_compiled, unwrapped_names
 from ember.swa.bn import has_running_stats, update_bn
 
 __all__ = [
@@ -34,7 +34,8 @@ LogLikelihood = Callable[[Tensor], Tensor]
 
 
 def _params(model: nn.Module) -> list[tuple[str, Tensor]]:
-    return [(strip_compile_prefix(n), p) for n, p in model.named_parameters()]
+    strip = unwrapped_names(model)
+    return [(strip(n), p) for n, p in model.named_parameters()]
 
 
 def _check_positive(name: str, value: float) -> float:

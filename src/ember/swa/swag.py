@@ -14,14 +14,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ember.swa._batches import Forward, default_forward, strip_compile_prefix, to_device
+from ember.swa._batches import Forward, default_forward, to_device, unwrapped_names
 from ember.swa.bn import has_running_stats, update_bn
 
 __all__ = ["SWAG", "MultiSWAG", "bayesian_average"]
 
 
 def _named_parameters(model: nn.Module) -> list[tuple[str, Tensor]]:
-    return [(strip_compile_prefix(n), p) for n, p in model.named_parameters()]
+    strip = unwrapped_names(model)
+    return [(strip(n), p) for n, p in model.named_parameters()]
 
 
 class SWAG:
