@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,10 @@ from torch import nn
 
 from ember.demo.protocol import PROTOCOL, _model, _read_all, write_digits_shards
 from ember.swa import accuracy
+
+if str(Path(__file__).parent) not in sys.path:  # the shared SGD epoch of the SWA benches
+    sys.path.append(str(Path(__file__).parent))
+from swa_family_tuning import sgd_epoch  # noqa: E402
 
 FACTORS = (0.25, 0.5, 1.0, 2.0)
 SEEDS = (0, 1, 2)
@@ -49,15 +54,7 @@ def train_cosine(lr: float, seed: int, epochs: int, x: torch.Tensor, y: torch.Te
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
     order = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
-        model.train()
-        perm = torch.randperm(len(y), generator=order)
-        for i in range(0, len(perm), 32):
-            j = perm[i:i + 32]
-            if len(j) < 2:  # BatchNorm needs two examples
-                continue
-            opt.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(model(x[j]), y[j]).backward()
-            opt.step()
+        sgd_epoch(model, opt, x, y, order)
         sched.step()
     return model
 

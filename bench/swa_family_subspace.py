@@ -100,15 +100,7 @@ def _train_cosine(lr: float, seed: int, xtr: torch.Tensor, ytr: torch.Tensor, ep
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
     order = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
-        model.train()
-        perm = torch.randperm(len(xtr), generator=order)
-        for i in range(0, len(perm), 32):
-            idx = perm[i:i + 32]
-            if len(idx) < 2:
-                continue
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
+        _tuning().sgd_epoch(model, opt, xtr, ytr, order)
         sched.step()
     return model
 
@@ -136,15 +128,7 @@ def _run_seed(seed: int, quick: bool, xtr, ytr, tests, tests_y, cos_lr: float
     for epoch in range(epochs):
         for g in opt.param_groups:
             g["lr"] = 0.05 if epoch < half else 0.02
-        model.train()
-        perm = torch.randperm(len(xtr), generator=order)
-        for i in range(0, len(perm), 32):
-            idx = perm[i:i + 32]
-            if len(idx) < 2:
-                continue
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
+        _tuning().sgd_epoch(model, opt, xtr, ytr, order)
         if epoch >= half:
             if swa is None:
                 swa = SWA(model)

@@ -109,15 +109,7 @@ def _train(method: str, seed: int, epochs: int, xtr: torch.Tensor, ytr: torch.Te
             lr = 0.05 + frac * (0.0005 - 0.05)
         for group in opt.param_groups:
             group["lr"] = lr
-        model.train()
-        perm = torch.randperm(len(xtr), generator=order)
-        for i in range(0, len(perm), 32):
-            idx = perm[i:i + 32]
-            if len(idx) < 2:
-                continue
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
+        _tuning().sgd_epoch(model, opt, xtr, ytr, order)
         if method == "8-bit SWALP" and epoch >= half:
             if swa is None:
                 swa = SWA(model)

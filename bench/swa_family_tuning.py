@@ -23,6 +23,21 @@ VAL_FRACTION = 0.2
 SPLIT_SEED = 0
 
 
+def sgd_epoch(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+              order: torch.Generator, batch: int = 32) -> None:
+    """One epoch of minibatch SGD on cross-entropy in an order drawn from ``order``; a last batch
+    of one example is skipped (BatchNorm needs two)."""
+    model.train()
+    perm = torch.randperm(len(y), generator=order)
+    for i in range(0, len(perm), batch):
+        idx = perm[i:i + batch]
+        if len(idx) < 2:
+            continue
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+
+
 def grid(base_lr: float, quick: bool) -> list[float]:
     """The pre-declared learning rates around ``base_lr``."""
     return [base_lr * f for f in (QUICK_FACTORS if quick else FACTORS)]
