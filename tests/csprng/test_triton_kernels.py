@@ -493,13 +493,7 @@ def test_bernoulli_tensor_p(cipher):
         assert torch.equal(ref, out) and ker_s.stream.counter == ref_s.stream.counter
 
 
-def test_rejection_list_overflow_runs_the_kernel_again(monkeypatch):
-    from ember.csprng import cuda_backend
-
-    monkeypatch.setattr(cuda_backend, "_reject_capacity", lambda n, thresh, wb: 1)
-    for cipher in CIPHERS:
-        ref, got = pair(cipher, 11, "random_range_", torch.int64, 300, (0, 3 * 2**30))
-        assert torch.equal(ref, got)
+# integer rejections (refilled on the device, list overflow): tests/csprng/test_triton_refill.py
 
 
 @pytest.mark.parametrize("method", ["uniform_", "normal_", "random_"])

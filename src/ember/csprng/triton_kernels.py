@@ -6,7 +6,9 @@ docs/csprng-stream.md straight into the output tensor; the keystream never goes 
 normal/log_normal, whose pairs take words half a group apart, have their own kernel,
 :func:`normal_fill_kernel`: a lane computes the cipher blocks of both words of its pairs and does
 Box-Muller in registers (one launch, no buffer of words).
-Rejected integer positions (Lemire) are appended to a small list that the host resolves.
+Rejected integer positions (Lemire) are appended to a list on the device, which the host sorts
+there; :func:`refill_kernel` (one program) then refills them round by round from the draw's
+``reject`` stream, so the host never waits for the count.
 
 This module imports triton; import it only through :mod:`ember.csprng.cuda_backend`. The host side
 (round keys, tables, parameters) lives there too. When triton's interpreter is active at import
@@ -369,6 +371,19 @@ def _mul64_hi(w, r):
 
 
 @triton.jit
+def _lemire(w, r, thresh, WB: tl.constexpr):
+    """(floor(w * r / 2**m), whether ``w`` is rejected: (w * r) mod 2**m < thresh), m = 8 * WB."""
+    if WB == 4:
+        prod = w.to(tl.uint64) * r
+        x = prod >> 32
+        low = prod & 0xFFFFFFFF
+    else:
+        x = _mul64_hi(w, r)
+        low = w * r
+    return x, low < thresh
+
+
+@triton.jit
 def _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w, ok,
          OP: tl.constexpr, WB: tl.constexpr, MBITS: tl.constexpr, F64: tl.constexpr,
          FLAG: tl.constexpr, FLAG2: tl.constexpr, VIA_F32: tl.constexpr):
@@ -416,14 +431,8 @@ def _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e
         if FLAG:
             x = w.to(tl.uint64) & r
         else:
-            if WB == 4:
-                prod = w.to(tl.uint64) * r
-                x = prod >> 32
-                low = prod & 0xFFFFFFFF
-            else:
-                x = _mul64_hi(w, r)
-                low = w * r
-            bad = (low < _uparam(ib)) & ok & (e < n)
+            x, bad = _lemire(w, r, _uparam(ib), WB)
+            bad = bad & ok & (e < n)
             slot = tl.atomic_add(cnt_ptr + (e * 0).to(tl.int32), 1, mask=bad)
             tl.store(pos_ptr + slot, e, mask=bad & (slot < cap))
         v = (x + _uparam(ic)).to(tl.int64, bitcast=True)
@@ -481,6 +490,11 @@ def _row16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
 @triton.jit
 def _or(a, b):
     return a | b
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
 
 
 @triton.jit
@@ -670,6 +684,54 @@ def fill_kernel(out_ptr, tab_ptr, p_ptr, cnt_ptr, pos_ptr, fa: tl.int64, fb: tl.
               x8, x9, x10, x11, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
         _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 3, live & (d >= -3),
               x12, x13, x14, x15, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
+
+
+@triton.jit(do_not_specialize=["ia", "ib", "ic", "n", "cap"])
+def refill_kernel(out_ptr, tab_ptr, cnt_ptr, pos_ptr, ia: tl.int64, ib: tl.int64, ic: tl.int64,
+                  n: tl.int64, cap: tl.int64, CIPHER: tl.constexpr, WB: tl.constexpr,
+                  VIA_F32: tl.constexpr, BLOCK: tl.constexpr):
+    """Refill the rejected elements of a Lemire draw (docs/csprng-stream.md, integers); ONE program.
+
+    ``cnt_ptr[0]`` counts the rejected positions, which are ``pos_ptr[0 .. count)`` in increasing
+    order (the fill kernel listed them, the host sorted the list on the device). ``tab_ptr`` is the
+    table of the draw's ``reject`` stream (derived key, counter 0). Round after round, pending
+    element ``i`` takes word ``i`` of the round, the round starting at the next whole 16-byte unit
+    of that stream; accepted values are written, the still rejected positions are compacted in
+    order at the front of the list (an exclusive ``tl.cumsum``), until none is left. A count above
+    ``cap`` (the list overflowed) sets ``cnt_ptr[1]`` and refills nothing: the host asserts on it.
+    ``ia``, ``ib``, ``ic``: r, 2**m mod r and the low end, as in :func:`fill_kernel`.
+    """
+    UPB: tl.constexpr = 1 if CIPHER == AES128 else 4  # 16-byte units per cipher block
+    WPU: tl.constexpr = 16 // WB  # words per unit
+    WPB: tl.constexpr = UPB * WPU  # words per cipher block
+    count = tl.load(cnt_ptr).to(tl.int64)
+    over = count > cap
+    tl.store(cnt_ptr + 1, over.to(tl.int32))
+    m = tl.where(over, 0, count)  # pending elements
+    zero = m * 0
+    start = zero  # first unit of this round in the reject stream
+    col = tl.arange(0, WPB)[None, :]
+    while m > 0:
+        kept = zero  # rejected again, compacted in order at the front of the list
+        for s in range(0, m, BLOCK):
+            i = s + tl.arange(0, BLOCK).to(tl.int64)
+            live = i < m
+            e = tl.load(pos_ptr + i, mask=live, other=0)
+            g = start * WPU + i  # word index in the reject stream
+            words = _block_words(tab_ptr, zero, zero, zero, zero, g // WPB, CIPHER, WB)
+            w = tl.reduce(tl.where(col == (g % WPB)[:, None], words, 0), 1, _or)
+            x, again = _lemire(w, _uparam(ia), _uparam(ib), WB)
+            again = again & live
+            tl.debug_barrier()  # every lane has read its position before the list is rewritten
+            _store(out_ptr, e, (x + _uparam(ic)).to(tl.int64, bitcast=True), live & ~again, n, VIA_F32)
+            a = again.to(tl.int32)
+            # (tl.cumsum and tl.sum are jit functions of triton's own, decorated when triton was
+            # imported, i.e. possibly not for the interpreter: the builtin scan and reduce here)
+            tl.store(pos_ptr + kept + (tl.associative_scan(a, 0, _add) - a), e, mask=again)
+            kept += tl.reduce(a, 0, _add).to(tl.int64)
+            tl.debug_barrier()  # the compacted list is complete before the next round reads it
+        start += (m * WB + 15) // 16
+        m = kept
 
 
 # ---------------------------------------------------------------------------- encrypt / decrypt
