@@ -540,45 +540,65 @@ def _random_range(f: _Fill) -> None:
         return
     thresh = (1 << (8 * wb)) % r
     spec = _Launch(f.k.INTEGER, wb, 0, False, [], [_i64(r), _i64(thresh), _i64(low)])
-    cap = _reject_capacity(f.n, thresh, wb)
-    while True:
-        cnt = torch.zeros(1, dtype=torch.int32, device=f.out.device)
-        pos = torch.empty(cap, dtype=torch.int64, device=f.out.device)
-        f.run(start, f.n * wb, spec, (cnt, pos))
-        count = int(cnt.item())
-        if count <= cap:
-            break
-        cap = count  # the kernel is deterministic: run it again with room for every position
-    if count:
-        positions = torch.sort(pos[:count]).values.cpu().numpy()
-        _refill(f.stream, start, positions, r, low, wb, f.flat)
+    # rejected positions are listed, sorted and refilled on the device: nothing is read back
+    cap = min(f.n, _reject_capacity(f.n, thresh, wb))
+    dev = f.out.device
+    cnt = torch.zeros(2, dtype=torch.int32, device=dev)  # [count, overflow flag]
+    # unused slots hold the largest int64: they sort last
+    pos = torch.full((cap,), (1 << 63) - 1, dtype=torch.int64, device=dev)
+    f.run(start, f.n * wb, spec, (cnt, pos))
+    _refill(f, start, spec, cnt, torch.sort(pos).values)
+    # more rejections than room (beyond 8 standard deviations): fail loudly, never silently (on a
+    # GPU a device-side assert that does not wait; on a CPU tensor it raises here)
+    torch._assert_async(cnt[1] == 0, "ember.csprng: integer rejection list overflow")
 
 
 def _reject_capacity(n: int, thresh: int, wb: int) -> int:
-    """Room for rejected positions: the expected count plus 8 standard deviations (a kernel that
-    finds more runs again with room for all of them)."""
+    """Room for rejected positions: the expected count plus 8 standard deviations and 64 (a fill
+    that finds more fails, see :func:`_random_range`)."""
     expected = n * thresh / 2.0 ** (8 * wb)
     return int(expected + 8 * math.sqrt(expected) + 64)
 
 
-def _refill(
-    stream: BlockStream, start: int, positions: np.ndarray, r: int, low: int, wb: int, out: torch.Tensor
-) -> None:
-    """Replace rejected positions, in increasing order, from the draw's ``reject`` stream."""
-    refill = BlockStream(derive_key(stream.key, "reject", start), 0, stream.cipher_name)
-    word = np.dtype("<u4") if wb == 4 else np.dtype("<u8")
-    bits = 8 * wb
-    thresh = (1 << bits) % r
-    while positions.size:
-        w = np.empty(positions.size, word)
-        refill.draw(blocks_for(w.nbytes)).fill(memoryview(w.view(np.uint8)))
-        prod = [int(v) * r for v in w]  # exact Python integers: rejections are few
-        keep = np.array([(x & ((1 << bits) - 1)) >= thresh for x in prod], dtype=bool)
-        vals = [_i64((x >> bits) + low) for x, ok in zip(prod, keep, strict=True) if ok]
-        if vals:
-            idx = torch.from_numpy(positions[keep]).to(out.device)
-            out[idx] = torch.tensor(vals, dtype=torch.int64).to(out.dtype).to(out.device)
-        positions = positions[~keep]
+def _refill(f: _Fill, start: int, spec: _Launch, cnt: torch.Tensor, pos: torch.Tensor) -> None:
+    """Replace the rejected positions (``pos``, sorted; ``cnt[0]`` of them), in increasing order,
+    from the draw's ``reject`` stream: one program of ``refill_kernel``, which reads the count on
+    the device and sets ``cnt[1]`` when it exceeds ``pos``'s room."""
+    k = f.k
+    block = _refill_block(f.stream.cipher_name, k.INTERPRETED)
+    k.refill_kernel[(1,)](
+        f.out,
+        _refill_table(f.stream, start, f.out.device),
+        cnt,
+        pos,
+        *(_i64(v) for v in spec.ip),
+        f.n,
+        pos.numel(),
+        CIPHER=_code(k.AES128 if f.stream.cipher_name == "aes128" else k.CHACHA20),
+        WB=spec.wb,
+        VIA_F32=f.dtype == torch.bfloat16,
+        BLOCK=block,
+        **_compile_options(k.INTERPRETED),
+        **({} if k.INTERPRETED else {"num_warps": 8 if block >= 256 else 4}),
+    )
+
+
+def _refill_block(cipher: str, interpret: bool) -> int:
+    """Lanes of the refill program (the pending list is walked in chunks of this many)."""
+    if interpret:  # the interpreter's cost is per chunk and per lane: a middle size is fastest
+        return 256
+    return 1024 if cipher == "aes128" else 256
+
+
+def _refill_table(stream: BlockStream, start: int, device: torch.device) -> torch.Tensor:
+    """The cipher table of the ``reject`` stream of the draw that started at ``start`` (its key is
+    derived per draw, so it is not cached). Built on the host; for a GPU copied from pinned memory
+    without waiting (ordered on the current stream before the refill kernel; torch keeps the pinned
+    buffer until the copy has run)."""
+    table = torch.from_numpy(cipher_table(stream.cipher_name, derive_key(stream.key, "reject", start)))
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table
 
 
 def _bernoulli(f: _Fill) -> None:
