@@ -79,9 +79,13 @@ AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 MultiAvgFn = Callable[[list[Tensor], list[Tensor], Tensor], None]
 
 
-def _stamp(t: Tensor) -> tuple[int, int]:
-    """What changes when anyone writes to or replaces ``t``'s data."""
-    return t._version, t.data_ptr()
+def _stamp(t: Tensor) -> tuple[int, int] | None:
+    """What changes when ``t`` is replaced or written in place through autograd (``copy_``,
+    ``load_state_dict``); writes through ``.data`` or ``dist.broadcast`` change neither."""
+    try:
+        return t._version, t.data_ptr()
+    except RuntimeError:  # inference tensors have no version counter
+        return None
 
 
 def _wrapper_prefix(model: nn.Module) -> str:
@@ -92,13 +96,6 @@ def _wrapper_prefix(model: nn.Module) -> str:
         prefix += f"{child}."
         model = getattr(model, child)
     return prefix
-
-
-def _safe_stamp(t: Tensor) -> tuple[int, int] | None:
-    try:
-        return _stamp(t)
-    except RuntimeError:  # inference tensors have no version counter
-        return None
 
 
 def _add_wrapper_prefix(module: _Averager, state_dict: dict[str, Any], prefix: str,
@@ -160,13 +157,13 @@ class _Averager(nn.Module):
         self.multi_avg_fn = multi_avg_fn
         self.use_buffers = use_buffers
         self.foreach = foreach
+        # the count is read from this buffer whenever it is needed (as AveragedModel does), never
+        # cached: writes that bypass the version counter (.data, dist.broadcast) must count
         self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=device))
-        # n_averaged as a Python int with the buffer's stamp when read: reading the buffer on every
-        # update would sync a device; the buffer stays the truth (zero_(), loads, .to() re-read it)
-        self._count: tuple[int, Tensor, tuple[int, int]] | None = None
         # float32 copies of the average for tensors the copy holds in float16/bfloat16 (by name):
-        # (master, the copy's tensor, its version and storage after our last write)
-        self._masters: dict[str, tuple[Tensor, Tensor, int, int]] = {}
+        # (master, the copy's version and storage after our last write); they only add the bits
+        # below the copy's rounding (see _master)
+        self._masters: dict[str, tuple[Tensor, tuple[int, int] | None]] = {}
         self._register_state_dict_hook(_add_wrapper_prefix)
         self._pairs(model)  # fail at construction on a mismatched target
         with torch.no_grad():
@@ -185,26 +182,15 @@ class _Averager(nn.Module):
 
     @property
     def n_updates(self) -> int:
-        """Number of updates so far: ``n_averaged`` as an int (ember's older name)."""
-        buf = self.n_averaged
-        held = self._count
-        stamp = _safe_stamp(buf)
-        if held is not None and held[1] is buf and stamp is not None and held[2] == stamp:
-            return held[0]
-        value = int(buf)
-        self._count = (value, buf, stamp) if stamp is not None else None
-        return value
+        """Number of updates so far: ``n_averaged`` as an int (ember's older name), read from the
+        buffer (on an accelerator this waits for it, as ``AveragedModel``'s ``n_averaged == 0``)."""
+        return int(self.n_averaged)
 
     @n_updates.setter
     def n_updates(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"n_updates must be an integer >= 0, got {value!r}")
         self.n_averaged.fill_(value)
-
-    def _count_up(self, count: int) -> None:
-        self.n_averaged.add_(1)
-        stamp = _safe_stamp(self.n_averaged)
-        self._count = (count + 1, self.n_averaged, stamp) if stamp is not None else None
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # accepts torch's layout with or without the wrapper's names (module._orig_mod.*, ...)
@@ -263,20 +249,34 @@ class _Averager(nn.Module):
         return pairs
 
     def _master(self, name: str, dst: Tensor) -> Tensor:
-        """The float32 average behind a float16/bfloat16 tensor of the copy (made from it anew
-        when the copy's tensor was replaced or written by anyone else since our last update)."""
+        """The float32 average behind a float16/bfloat16 tensor of the copy.
+
+        The copy's tensor is the truth; the master only adds the bits below its rounding. When
+        the copy's tensor was replaced or written in place through autograd (``copy_``, a load)
+        since our last update, the master restarts from it; writes that bypass the version
+        counter (``.data``, ``dist.broadcast``, numpy views) are caught element by element: every
+        element of the master that no longer rounds to the copy's bits is taken from the copy
+        (on the device, without a sync)."""
         held = self._masters.get(name)
-        if held is not None and held[1] is dst and held[2:] == _stamp(dst) \
-                and held[0].device == dst.device:
-            return held[0]
-        master = dst.detach().float()
-        self._masters[name] = (master, dst, *_stamp(dst))
+        if held is None or held[1] is None or held[1] != _stamp(dst) \
+                or held[0].device != dst.device or held[0].shape != dst.shape:
+            # replaced, or written in place through autograd (copy_, a load): restart from it
+            master = dst.detach().float()
+            self._masters[name] = (master, None)
+            return master
+        master = held[0]
+        # writes that bypass the version counter: element by element, no sync
+        dst = dst.detach()
+        # compared as bits (2-byte integers: fast on CPUs, where half comparisons are not)
+        same = master.to(dst.dtype).view(torch.int16) == dst.view(torch.int16)
+        torch.where(same, master, dst.float(), out=master)
         return master
 
     _copy_first = False
 
-    def _weight(self, step: int) -> float | None:
-        """The weight of the model in this update; ``None``: torch's SWA rule."""
+    def _weight(self, step: int | None) -> float | None:
+        """The weight of the model in this update at ``step`` (``None``: the update count);
+        ``None``: torch's SWA rule."""
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -310,10 +310,9 @@ class _Averager(nn.Module):
         half-precision average with a small weight would stop moving).
         """
         custom = self.avg_fn is not None or self.multi_avg_fn is not None
-        count = self.n_updates
-        first = count == 0
         copy_first = custom or self._copy_first
-        weight = None if custom else self._weight(count if step is None else step)
+        first = copy_first and self.n_updates == 0
+        weight = None if custom else self._weight(step)
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
         written: list[tuple[str, Tensor, Tensor]] = []
         for name, dst, src, average in self._pairs(model):
@@ -328,7 +327,7 @@ class _Averager(nn.Module):
             # non_blocking only towards an accelerator: a non-blocking copy into host memory may
             # still be in flight when the CPU lerp reads it
             src = src.to(device=acc.device, dtype=acc.dtype, non_blocking=acc.device.type != "cpu")
-            if copy_first and first:
+            if first:
                 acc.copy_(src)  # AveragedModel's rule: the first update copies
                 continue
             dsts, srcs = groups.setdefault((acc.device, acc.dtype), ([], []))
@@ -365,8 +364,8 @@ class _Averager(nn.Module):
                     d.lerp_(s, weight)
         for name, master, dst in written:
             dst.copy_(master)
-            self._masters[name] = (master, dst, *_stamp(dst))
-        self._count_up(count)
+            self._masters[name] = (master, _stamp(dst))
+        self.n_averaged.add_(1)
 
 
 class EMA(_Averager):
@@ -444,7 +443,10 @@ class EMA(_Averager):
         Before ``update_after_step`` the decay is 0 (the average copies the model); after it the
         schedule restarts from 0 and is never below ``min_decay``.
         """
-        step = self.n_updates if step is None else step
+        if step is None:
+            if not self.warmup and not callable(self.decay) and not self.update_after_step:
+                return max(self.min_decay, self.decay)  # constant: no need to read the count
+            step = self.n_updates
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
         step -= self.update_after_step
@@ -460,7 +462,7 @@ class EMA(_Averager):
             d = ema_decay(step, self.decay, bool(self.warmup))
         return max(self.min_decay, d)
 
-    def _weight(self, step: int) -> float | None:
+    def _weight(self, step: int | None) -> float | None:
         return 1.0 - self.current_decay(step)
 
 
@@ -503,5 +505,5 @@ class SWA(_Averager):
 
     _copy_first = True
 
-    def _weight(self, step: int) -> float | None:
+    def _weight(self, step: int | None) -> float | None:
         return None
