@@ -688,6 +688,50 @@ def test_fill_kernel_compiles_for_sm90(cipher, case):
         assert "fma." not in ptx
 
 
+def fill_store_layouts(k, cipher: str, out_ty: str, wb: int, mbits: int) -> list[tuple[list, list, list]]:
+    """(sizePerThread, threadsPerWarp, order) of every ``tt.store`` of the uniform fill kernel of
+    the kernels module ``k`` compiled for sm_90 (Triton's GPU IR)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = k.fill_kernel
+    scalars = ("fa", "fb", "fc", "fd", "ia", "ib", "ic", "c0", "c1", "c2", "c3", "skip", "n", "nlanes", "cap")
+    sig = {"out_ptr": out_ty, "tab_ptr": "*i32", "p_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i32",
+           **{a: "i64" for a in scalars}}
+    consts = dict(CIPHER=0 if cipher == "aes128" else 1, OP=0, WB=wb, MBITS=mbits, F64=wb == 8, FLAG=False,
+                  FLAG2=False, VIA_F32=False, BLOCK=256 if cipher == "aes128" else 128)
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
+    options = {"enable_fp_fusion": False}
+    ir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<(.*)>$", ir, re.M))
+    out = []
+    for name in re.findall(r"tt\.store .*, (#blocked\d*)>", ir):
+        fields = dict(re.findall(r"(\w+) = \[([\d, ]*)\]", layouts[name]))
+        keys = ("sizePerThread", "threadsPerWarp", "order")
+        out.append(tuple([int(v) for v in fields[f].split(",")] for f in keys))
+    return out
+
+
+@pytest.mark.parametrize(
+    "cipher,out_ty,wb,mbits",
+    [("chacha20", "*fp32", 4, 24), ("chacha20", "*fp64", 8, 53), ("aes128", "*fp32", 4, 24)],
+    ids=["chacha20-f32", "chacha20-f64", "aes128-f32"],
+)
+def test_fill_kernel_stores_are_coalesced(cipher, out_ty, wb, mbits):
+    """One store of the program's [lanes, words per block] tile, laid out so that consecutive
+    threads of a warp write consecutive elements (whole rows of a block's words per warp), instead
+    of one store per word with lanes a cipher block apart (ChaCha20: 64 bytes)."""
+    k, _ = _nvidia_compiler()
+    words = (4 if cipher == "aes128" else 16) * 4 // wb
+    stores = fill_store_layouts(k, cipher, out_ty, wb, mbits)
+    assert len(stores) == 1, stores
+    (size, threads, order), = stores
+    assert order == [1, 0] and size[1] * threads[1] == words, stores
+
+
 @pytest.mark.parametrize("cipher", CIPHERS)
 @pytest.mark.parametrize(
     "out_ty,wb,mbits,f64,affine,log,bf16",

@@ -183,14 +183,21 @@ def test_refill_kernel_compiles_for_sm90(cipher, wb):
 
     k = kernels(False)
     fn = k.refill_kernel
-    sig = {"out_ptr": "*i64", "tab_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
-           **{a: "i64" for a in ("ia", "ib", "ic", "n", "cap")}}
-    consts = dict(CIPHER=0 if cipher == "aes128" else 1, WB=wb, VIA_F32=False,
-                  BLOCK=_refill_block(cipher, False))
+    sig = {
+        "out_ptr": "*i64",
+        "tab_ptr": "*i32",
+        "cnt_ptr": "*i32",
+        "pos_ptr": "*i64",
+        **{a: "i64" for a in ("ia", "ib", "ic", "n", "cap")},
+    }
+    consts = dict(
+        CIPHER=0 if cipher == "aes128" else 1, WB=wb, VIA_F32=False, BLOCK=_refill_block(cipher, False)
+    )
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
     t = time.perf_counter()
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"enable_fp_fusion": False, "num_warps": 8}).asm["ptx"]
+    ptx = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False, "num_warps": 8}
+    ).asm["ptx"]
     secs = time.perf_counter() - t
     assert ".entry refill_kernel" in ptx and "bar.sync" in ptx
     assert secs < 30, secs

@@ -3,6 +3,7 @@
 One kernel, specialised at compile time on the cipher (AES-128 with T-tables, or ChaCha20), the
 distribution and the word width, computes the counter blocks of a draw and writes the values of
 docs/csprng-stream.md straight into the output tensor; the keystream never goes to global memory.
+A program's blocks are one [lanes, words per block] tile: one contiguous, coalesced store.
 normal/log_normal, whose pairs take words half a group apart, have their own kernel,
 :func:`normal_fill_kernel`: a lane computes the cipher blocks of both words of its pairs and does
 Box-Muller in registers (one launch, no buffer of words).
@@ -433,7 +434,13 @@ def _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e
         else:
             x, bad = _lemire(w, r, _uparam(ib), WB)
             bad = bad & ok & (e < n)
-            slot = tl.atomic_add(cnt_ptr + (e * 0).to(tl.int32), 1, mask=bad)
+            # one atomic per program reserves its slots (e, w: the [lanes, words] tile of the
+            # program); the order in the list does not matter, the host sorts it
+            b = bad.to(tl.int32)
+            rows = tl.reduce(b, 1, _add)
+            first = tl.atomic_add(cnt_ptr, tl.reduce(rows, 0, _add))
+            slot = (first + (tl.associative_scan(rows, 0, _add) - rows))[:, None]
+            slot = slot + (tl.associative_scan(b, 1, _add) - b)
             tl.store(pos_ptr + slot, e, mask=bad & (slot < cap))
         v = (x + _uparam(ic)).to(tl.int64, bitcast=True)
         _store(out_ptr, e, v, ok, n, VIA_F32)
@@ -609,47 +616,6 @@ def normal_fill_kernel(out_ptr, tab_ptr, c0: tl.int64, c1: tl.int64, c2: tl.int6
         _store(out_ptr, e0 + q, y1, i < q, n, BF16)
 
 
-@triton.jit
-def _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d, ok, w0, w1, w2, w3,
-          OP: tl.constexpr, WB: tl.constexpr, MBITS: tl.constexpr, F64: tl.constexpr,
-          FLAG: tl.constexpr, FLAG2: tl.constexpr, VIA_F32: tl.constexpr):
-    """All elements of draw unit ``d`` (16 bytes: little-endian words w0..w3)."""
-    if WB == 2:
-        e = 8 * d
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w0 & 0xFFFF, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, w0 >> 16, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 2, w1 & 0xFFFF, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 3, w1 >> 16, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 4, w2 & 0xFFFF, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 5, w2 >> 16, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 6, w3 & 0xFFFF, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 7, w3 >> 16, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-    elif WB == 4:
-        e = 4 * d
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, w0, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, w1, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 2, w2, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 3, w3, ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-    else:
-        e = 2 * d
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, _u64(w0, w1), ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e + 1, _u64(w2, w3), ok,
-             OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-
-
 @triton.jit(do_not_specialize=["fa", "fb", "fc", "fd", "ia", "ib", "ic", "c0", "c1", "c2", "c3",
                                "skip", "n", "nlanes", "cap"])
 def fill_kernel(out_ptr, tab_ptr, p_ptr, cnt_ptr, pos_ptr, fa: tl.int64, fb: tl.int64,
@@ -661,29 +627,22 @@ def fill_kernel(out_ptr, tab_ptr, p_ptr, cnt_ptr, pos_ptr, fa: tl.int64, fb: tl.
                 VIA_F32: tl.constexpr, BLOCK: tl.constexpr):
     """Fill elements ``[0, n)`` of a draw whose first cipher block is (c3:c2:c1:c0).
 
-    AES: lane ``l`` computes block ``c + l`` = draw unit ``l``. ChaCha20: lane ``l`` computes ChaCha
-    block ``c + l``, whose four units are draw units ``4l - skip .. 4l + 3 - skip``.
+    Lane ``l`` computes cipher block ``c + l``: AES, draw unit ``l``; ChaCha20, the four units
+    ``4l - skip .. 4l + 3 - skip``. The words of a program's blocks form one [BLOCK, words per
+    block] tile, row ``l`` holding elements ``l * words - skip * words per unit`` onwards: the
+    program's elements are one contiguous range, transformed and stored as one tile (stores of
+    consecutive lanes are adjacent, i.e. coalesced, instead of a block's width apart).
     """
+    UPB: tl.constexpr = 1 if CIPHER == AES128 else 4  # 16-byte units per cipher block
+    WPU: tl.constexpr = 16 // WB  # words per unit
     lane = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = lane < nlanes
-    i0, i1, i2, i3 = _add128(c0.to(tl.uint32), c1.to(tl.uint32), c2.to(tl.uint32),
-                             c3.to(tl.uint32), lane.to(tl.uint32))
-    if CIPHER == AES128:
-        w0, w1, w2, w3 = _aes_block(tab_ptr, i0, i1, i2, i3)
-        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, lane, live,
-              w0, w1, w2, w3, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-    else:
-        (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14,
-         x15) = _chacha_block(tab_ptr, i0, i1, i2, i3)
-        d = 4 * lane - skip
-        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d, live & (d >= 0),
-              x0, x1, x2, x3, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 1, live & (d >= -1),
-              x4, x5, x6, x7, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 2, live & (d >= -2),
-              x8, x9, x10, x11, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
-        _emit(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, d + 3, live & (d >= -3),
-              x12, x13, x14, x15, OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
+    words = _block_words(tab_ptr, c0, c1, c2, c3, lane, CIPHER, WB)  # 32-bit words unless WB == 8
+    if WB == 2:  # each 32-bit word holds two 16-bit words, the low half first
+        words = _cat(words & 0xFFFF, words >> 16)
+    e = (lane * (UPB * WPU) - skip * WPU)[:, None] + tl.arange(0, UPB * WPU)[None, :]
+    ok = (lane < nlanes)[:, None] & (e >= 0)
+    _one(out_ptr, fa, fb, fc, fd, ia, ib, ic, p_ptr, cnt_ptr, pos_ptr, cap, n, e, words, ok,
+         OP, WB, MBITS, F64, FLAG, FLAG2, VIA_F32)
 
 
 @triton.jit(do_not_specialize=["ia", "ib", "ic", "n", "cap"])
