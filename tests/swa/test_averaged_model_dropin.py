@@ -134,10 +134,10 @@ def test_ema_copy_starts_in_eval_mode():
 def test_ema_power_warmup_matches_timm_formula():
     model = _net()
     ema = EMA(model, decay=0.999, warmup="power", warmup_gamma=2.0, warmup_power=0.75)
-    for step in (0, 1, 10, 10_000_000):
-        want = min(0.999, 1 - (1 + step / 2.0) ** -0.75)
-        assert ema.current_decay(step) == pytest.approx(want)
-    assert ema.current_decay(0) == 0.0  # the first update copies
+    for k in (1, 10, 10_000_000):  # timm's step k + 1 (its first update is step 1)
+        want = min(0.999, 1 - (1 + k / 2.0) ** -0.75)
+        assert ema.current_decay(k + 1) == pytest.approx(want)
+    assert ema.current_decay(1) == ema.current_decay() == 0.0  # the first update copies
     with pytest.raises(ValueError, match="warmup_gamma"):
         EMA(model, warmup="power", warmup_gamma=0.0)
     with pytest.raises(ValueError, match="warmup"):

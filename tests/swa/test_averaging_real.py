@@ -179,10 +179,11 @@ def test_ema_step_min_decay_and_update_after_step():
     torch.manual_seed(0)
     model = Net()
     ema = EMA(model, decay=0.99, min_decay=0.5, update_after_step=3)
-    assert ema.current_decay(2) == 0.0  # before update_after_step: a copy
-    assert ema.current_decay(3) == 0.5  # warm-up (1+0)/(10+0)=0.1 is raised to min_decay
-    assert ema.current_decay(3 + 90) == pytest.approx(91 / 100)  # warm-up (1+s)/(10+s), s=90
-    assert ema.current_decay(3 + 10**6) == 0.99  # capped at decay
+    # steps count from 1 (timm's loop); the schedule runs on k = step - 1 - update_after_step
+    assert ema.current_decay(3) == 0.0  # up to update_after_step: a copy
+    assert ema.current_decay(4) == 0.5  # k=0: warm-up (1+0)/(10+0)=0.1 is raised to min_decay
+    assert ema.current_decay(4 + 90) == pytest.approx(91 / 100)  # warm-up (1+k)/(10+k), k=90
+    assert ema.current_decay(4 + 10**6) == 0.99  # capped at decay
     before = ema.module.head[1].weight.detach().clone()
     _train_a_bit(model)
     ema.update(model, step=1)

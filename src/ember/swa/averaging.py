@@ -304,8 +304,9 @@ class _Averager(nn.Module):
     def update(self, model: nn.Module, step: int | None = None) -> None:
         """Fold the current weights of ``model`` into the average.
 
-        ``step`` (EMA only) is the training step the decay schedule is evaluated at; without it
-        the number of updates so far is used. Tensors the copy holds in float16 or bfloat16 are
+        ``step`` (EMA only) is the training step the decay schedule is evaluated at, counted as
+        in timm's loop (the first update is step 1; see :meth:`EMA.current_decay`); without it
+        ``n_updates + 1`` is used. Tensors the copy holds in float16 or bfloat16 are
         averaged in a float32 master copy and rounded into the copy after each update (a
         half-precision average with a small weight would stop moving).
         """
@@ -375,10 +376,11 @@ class EMA(_Averager):
     (:meth:`update_parameters`, the ``n_averaged`` buffer, ``forward`` calling the copy, the same
     ``state_dict`` layout), so ``update_bn(loader, ema)``, ``ema.to(device)`` and ``ema.eval()``
     work as for torch's. ``decay`` is a float (used with a warm-up unless ``warmup=False``) or a
-    callable ``decay(step) -> float`` with ``step`` counting updates from 0. Warm-ups:
-    ``warmup=True`` (or ``"tf"``) is :func:`ema_decay`'s ``min(decay, (1 + step) / (10 + step))``
-    (TensorFlow's); ``warmup="power"`` is timm's ``1 - (1 + step / warmup_gamma) ** -warmup_power``
-    capped by ``decay`` (``warmup_gamma=1, warmup_power=2/3`` suit long runs, ``3/4`` short ones).
+    callable ``decay(k) -> float`` of the schedule index ``k`` (0 on the first update). Warm-ups:
+    ``warmup=True`` (or ``"tf"``) is :func:`ema_decay`'s ``min(decay, (1 + k) / (10 + k))``
+    (TensorFlow's); ``warmup="power"`` is timm's ``1 - (1 + k / warmup_gamma) ** -warmup_power``
+    capped by ``decay`` (``warmup_gamma=1, warmup_power=2/3`` suit long runs, ``3/4`` short ones),
+    0 at ``k = 0``: the first update copies, as timm's.
     ``avg_fn``/``multi_avg_fn`` replace the decay rule with torch's averaging-function protocol
     (the first update then copies, as in ``AveragedModel``).
 
@@ -390,9 +392,11 @@ class EMA(_Averager):
     ``.cuda()``, ``.half()``): tensors are looked up on every update, and float16/bfloat16 ones are
     averaged in a float32 master copy (see :meth:`update`).
 
-    As timm's ``ModelEmaV3``: ``update(model, step=...)`` evaluates the decay at a training step,
-    ``update_after_step`` copies the model until that step, ``min_decay`` bounds the warm-up
-    from below, and :meth:`swapped_into` evaluates the average inside the live model.
+    As timm's ``ModelEmaV3``: ``update(model, step=num_updates)`` evaluates the decay at a
+    training step counted from 1 (timm's loop), ``update_after_step`` copies the model until that
+    step, ``min_decay`` bounds the warm-up from below, and :meth:`swapped_into` evaluates the
+    average inside the live model; with ``warmup="power"`` the decay is timm's ``get_decay`` step
+    for step (see :meth:`current_decay`).
     """
 
     def __init__(
@@ -438,29 +442,38 @@ class EMA(_Averager):
         self.update_after_step = update_after_step
 
     def current_decay(self, step: int | None = None) -> float:
-        """The decay an :meth:`update` at ``step`` (default: the update count) uses.
+        """The decay of an :meth:`update` at training step ``step`` (default: ``n_updates + 1``,
+        the next update's).
 
-        Before ``update_after_step`` the decay is 0 (the average copies the model); after it the
-        schedule restarts from 0 and is never below ``min_decay``.
+        Steps count as in timm's training loop, which increments ``num_updates`` after the
+        optimizer step and then calls ``ema.update(model, step=num_updates)``: the first update is
+        step 1, and an update without ``step`` is at ``n_updates + 1``. The schedule runs on
+        ``k = step - 1 - update_after_step``: while ``k < 0`` the decay is 0 (the average copies
+        the model); from ``k = 0`` on it is the warm-up at ``k``, never below ``min_decay``.
+        ``warmup="power"`` is timm's ``ModelEmaV3.get_decay(step)`` (``use_warmup=True``)
+        exactly: 0 for ``k <= 0`` (``min_decay`` does not apply there), then
+        ``max(min(1 - (1 + k / warmup_gamma) ** -warmup_power, decay), min_decay)``.
         """
         if step is None:
             if not self.warmup and not callable(self.decay) and not self.update_after_step:
                 return max(self.min_decay, self.decay)  # constant: no need to read the count
-            step = self.n_updates
+            step = self.n_updates + 1
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        step -= self.update_after_step
-        if step < 0:
+        k = step - 1 - self.update_after_step
+        if k < 0:
             return 0.0
         if callable(self.decay):
-            d = float(self.decay(step))
+            d = float(self.decay(k))
             if not 0.0 <= d <= 1.0:
-                raise ValueError(f"decay({step}) returned {d}; expected [0, 1]")
+                raise ValueError(f"decay({k}) returned {d}; expected [0, 1]")
         elif self.warmup == "power":
-            d = min(self.decay, 1.0 - (1.0 + step / self.warmup_gamma) ** -self.warmup_power)
+            if k == 0:
+                return 0.0  # timm: max(0, step - update_after_step - 1) <= 0 gives 0.0
+            d = min(1.0 - (1.0 + k / self.warmup_gamma) ** -self.warmup_power, self.decay)
         else:
-            d = ema_decay(step, self.decay, bool(self.warmup))
-        return max(self.min_decay, d)
+            d = ema_decay(k, self.decay, bool(self.warmup))
+        return max(d, self.min_decay)
 
     def _weight(self, step: int | None) -> float | None:
         return 1.0 - self.current_decay(step)
