@@ -349,6 +349,12 @@ def triton_variants() -> list[tuple[str, dict, dict]]:
             out.append(("normal_fill_kernel", dict(nsig, out_ptr=out_ty),
                         dict(CIPHER=cipher, GROUP=16384, WB=wb, MBITS=mbits, F64=f64, AFFINE=True, LOG=False,
                              BF16=False, BLOCK=block)))
+    # the one-program refill of rejected integers (block and warps as cuda_backend launches it)
+    rsig = {"out_ptr": "*i64", "tab_ptr": "*i32", "cnt_ptr": "*i32", "pos_ptr": "*i64",
+            **{a: "i64" for a in ("ia", "ib", "ic", "n", "cap")}}
+    for cipher, block in ((0, 1024), (1, 256)):
+        for wb in (4, 8):
+            out.append(("refill_kernel", rsig, dict(CIPHER=cipher, WB=wb, VIA_F32=False, BLOCK=block)))
     return out
 
 
@@ -375,7 +381,9 @@ def _compile_triton(arch: str) -> tuple[int, float]:
     for name, sig, consts in triton_variants():
         fn = getattr(k, name)
         src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
-        triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"enable_fp_fusion": False})
+        warps = 8 if name == "refill_kernel" and consts["BLOCK"] >= 256 else 4
+        triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                       options={"enable_fp_fusion": False, "num_warps": warps})
         n += 1
     return n, time.perf_counter() - t
 
