@@ -616,13 +616,13 @@ AOT_CASES = [
     ("random_ i64 32-bit Lemire", "*i64", "integer", 4, 0, False, False, False, False),
     ("random_ i64 64-bit Lemire", "*i64", "integer", 8, 0, False, False, False, False),
     ("random_ u8 power of two", "*u8", "integer", 4, 0, False, True, False, False),
-    ("normal_ words 32-bit", "*i32", "integer", 4, 0, False, True, False, False),
+    ("random_ i32 power of two", "*i32", "integer", 4, 0, False, True, False, False),
     ("random_ f32", "*fp32", "integer", 4, 0, False, False, False, False),
     ("random_ bf16", "*i16", "integer", 4, 0, False, False, False, True),
     ("bernoulli_ tensor p", "*u8", "bernoulli_", 8, 0, False, True, False, False),
     ("bernoulli_ f64", "*fp64", "bernoulli_", 8, 0, False, False, False, False),
 ]
-FAST_AOT = {"uniform_ f32", "normal_ words 32-bit"}
+FAST_AOT = {"uniform_ f32", "random_ i32 power of two"}
 
 
 def _nvidia_compiler():
