@@ -75,6 +75,8 @@ def _named_state(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     return out
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
 AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 MultiAvgFn = Callable[[list[Tensor], list[Tensor], Tensor], None]
 
@@ -221,6 +223,21 @@ class _Averager(nn.Module):
             for key, new in renamed.items():
                 state_dict[new] = state_dict.pop(key)
 
+    def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> _Averager:
+        # .to()/.half()/.float()/.cuda() of the averager: a master follows its tensor to a new
+        # device (keeping its bits) while the tensor stays float16/bfloat16, and is dropped
+        # (memory freed, never consulted again) when it does not
+        out = super()._apply(fn, *args, **kwargs)
+        if self._masters:
+            current = {name: t for name, (t, _) in _named_state(self.module).items()}
+            for name, (master, _) in list(self._masters.items()):
+                dst = current.get(name)
+                if dst is None or dst.dtype not in _HALF or dst.shape != master.shape:
+                    del self._masters[name]
+                else:
+                    self._masters[name] = (master.to(dst.device), _stamp(dst))
+        return out
+
     # -- pairing ---------------------------------------------------------------------------------
 
     def _pairs(self, model: nn.Module) -> list[tuple[str, Tensor, Tensor, bool]]:
@@ -322,7 +339,7 @@ class _Averager(nn.Module):
                 dst.copy_(src)  # integer buffers (num_batches_tracked, ...) and unaveraged buffers
                 continue
             acc = dst
-            if dst.dtype in (torch.float16, torch.bfloat16):
+            if dst.dtype in _HALF:
                 acc = self._master(name, dst)
                 written.append((name, acc, dst))
             # non_blocking only towards an accelerator: a non-blocking copy into host memory may
@@ -366,6 +383,10 @@ class _Averager(nn.Module):
         for name, master, dst in written:
             dst.copy_(master)
             self._masters[name] = (master, _stamp(dst))
+        if len(self._masters) > len(written):  # the copy was cast back (ema.module.float())
+            kept = {name for name, _, _ in written}
+            for name in [n for n in self._masters if n not in kept]:
+                del self._masters[name]
         self.n_averaged.add_(1)
 
 
