@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,13 +47,12 @@ def default_forward(model: nn.Module, batch: Any) -> Any:
 def wrapped_child(module: nn.Module) -> str | None:
     """The name of the child that the wrapper ``module`` wraps, ``None`` if it wraps nothing.
 
-    ``torch.compile``'s ``OptimizedModule`` holds the module as ``_orig_mod`` (recognised by that
-    child, as :func:`unwrap_compiled` does: a module with an ``_orig_mod`` child module is treated
-    as a compile wrapper); ``DistributedDataParallel``/``DataParallel`` hold it as ``module`` and
-    are recognised by type only, since plain models may well have a child called ``module``.
+    ``torch.compile``'s ``OptimizedModule`` holds the module as ``_orig_mod``,
+    ``DistributedDataParallel``/``DataParallel`` hold it as ``module``; all are recognised by type
+    only, since a plain model may well have a child called ``module`` or ``_orig_mod``.
     """
-    orig = getattr(module, "_orig_mod", None)
-    if isinstance(orig, nn.Module) and module._modules.get("_orig_mod") is orig:
+    compiled = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    if compiled is not None and isinstance(module, compiled.OptimizedModule):
         return "_orig_mod"
     if _is_data_parallel(module):
         return "module"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -277,8 +278,10 @@ class _Averager(nn.Module):
         held = self._masters.get(name)
         if held is None or held[1] is None or held[1] != _stamp(dst) \
                 or held[0].device != dst.device or held[0].shape != dst.shape:
-            # replaced, or written in place through autograd (copy_, a load): restart from it
-            master = dst.detach().float()
+            # replaced, or written in place through autograd (copy_, a load): restart from it;
+            # a normal tensor even under inference_mode, so that later updates may write it
+            with torch.inference_mode(False):
+                master = dst.detach().float()
             self._masters[name] = (master, None)
             return master
         master = held[0]
@@ -479,8 +482,13 @@ class EMA(_Averager):
             if not self.warmup and not callable(self.decay) and not self.update_after_step:
                 return max(self.min_decay, self.decay)  # constant: no need to read the count
             step = self.n_updates + 1
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        try:  # any integer: int, NumPy integers, 0-dim integer tensors (not bool, not float)
+            index = None if isinstance(step, bool) else operator.index(step)
+        except TypeError:
+            index = None
+        if index is None or index < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        step = index
         k = step - 1 - self.update_after_step
         if k < 0:
             return 0.0
