@@ -76,11 +76,11 @@ _KEY = cuda(torch.arange(16, dtype=torch.uint8))
 # what each refusal names: the function or Tensor method the user called (the sampler method
 # for draws that reach the generator through torch's own functions)
 OPS = {
-    "uniform_ tracked": "Tensor.uniform_", "normal_ tracked": "Tensor.normal_",
+    "uniform_ tracked": "Tensor.uniform_ (torch.rand)", "normal_ tracked": "Tensor.normal_ (torch.randn)",
     "random_ tracked": "Tensor.random_ (torch.randint)", "bernoulli_ tracked": "Tensor.bernoulli_",
-    "uniform_": "Tensor.uniform_", "cauchy_ non-contiguous": "Tensor.cauchy_",
-    "complex normal_": "Tensor.normal_", "rand out=": "Tensor.uniform_",
-    "rand_like": "Tensor.uniform_", "randn_like": "Tensor.normal_",
+    "uniform_": "Tensor.uniform_ (torch.rand)", "cauchy_ non-contiguous": "Tensor.cauchy_",
+    "complex normal_": "Tensor.normal_ (torch.randn)", "rand out=": "torch.rand",
+    "rand_like": "Tensor.uniform_ (torch.rand)", "randn_like": "Tensor.normal_ (torch.randn)",
     "randint_like": "Tensor.random_ (torch.randint)", "randperm out=": "torch.randperm",
     "multinomial": "torch.multinomial", "Tensor.multinomial": "torch.multinomial",
     "multinomial out=": "torch.multinomial", "poisson": "torch.poisson",
@@ -120,6 +120,23 @@ def test_a_declining_backend_leaves_the_refusal_to_the_copy_path(capturing, monk
     with pytest.raises(cuda_backend.CaptureError):
         out.exponential_(generator=g)
     assert seen == ["exponential_"] and g.counter == 0 and not out.any()
+
+
+@pytest.mark.parametrize("call,dtype,op", [
+    (lambda g, o: torch.rand(5, generator=g, out=o), torch.float32, "torch.rand"),
+    (lambda g, o: torch.randn(5, generator=g, out=o), torch.float32, "torch.randn"),
+    (lambda g, o: torch.randint(9, (5,), generator=g, out=o), torch.int64, "torch.randint"),
+    (lambda g, o: torch.randperm(5, generator=g, out=o), torch.int64, "torch.randperm"),
+    (lambda g, o: torch.normal(0.0, 1.0, (5,), generator=g, out=o), torch.float32, "torch.normal"),
+], ids=["rand", "randn", "randint", "randperm", "normal(float, float, size)"])
+def test_refused_factories_leave_out_as_it_was(capturing, call, dtype, op):
+    """A factory with an ``out=`` of another shape refuses before resizing it (a resize during
+    capture would also allocate from the graph's pool)."""
+    g = csprng.create_generator(15)
+    out = cuda(torch.zeros(2, dtype=dtype))
+    with pytest.raises(cuda_backend.CaptureError, match=rf"^ember\.csprng: {re.escape(op)} cannot run"):
+        call(g, out)
+    assert out.shape == (2,) and not out.any() and g.counter == 0
 
 
 def test_refused_out_tensors_are_left_as_they_were(capturing):

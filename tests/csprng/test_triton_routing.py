@@ -71,3 +71,19 @@ def test_a_default_call_on_an_integer_tensor_is_still_refused(validations):
         cuda_backend.triton_fill_(g.sampler(), torch.empty(5, dtype=torch.int64), "uniform_", (),
                                   interpret=True)
     assert validations == ["uniform_"] and g.counter == 0
+
+
+@pytest.mark.parametrize("method,params", [
+    ("uniform_", (torch.tensor([0.0, 0.0]), 1.0)), ("normal_", (0.0, torch.tensor([1.0, 2.0]))),
+    ("exponential_", (torch.tensor([1.0, 1.0]),)),
+], ids=["uniform_", "normal_", "exponential_"])
+def test_tensor_arguments_get_the_cpu_error(method, params):
+    """``triton_fill_`` fails like ``getattr(sampler, method)(tensor, *params)``: a tensor
+    argument is never taken for the default (comparing it raised torch's "ambiguous" error)."""
+    g = csprng.create_generator(6)
+    with pytest.raises(Exception) as ours:
+        cuda_backend.triton_fill_(g.sampler(), torch.empty(5), method, params, interpret=True)
+    with pytest.raises(Exception) as cpu:
+        getattr(csprng.create_generator(6).sampler(), method)(torch.empty(5), *params)
+    assert type(ours.value) is type(cpu.value) and str(ours.value) == str(cpu.value)
+    assert g.counter == 0

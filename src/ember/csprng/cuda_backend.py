@@ -330,7 +330,7 @@ def triton_fill_(
         p = _bernoulli_p(tensor, params[0])
     else:
         p = None
-        if params not in _DEFAULTS.get(method, ()) or tensor.dtype not in _FLOAT_BITS:
+        if not _default_args(method, params) or tensor.dtype not in _FLOAT_BITS:
             # the CPU sampler validates the arguments (same errors) and reserves nothing for 0
             # elements; default arguments on a float dtype need no check
             getattr(sampler, method)(torch.empty(0, dtype=tensor.dtype), *params)
@@ -714,9 +714,10 @@ class CaptureError(RuntimeError):
 
 
 # sampler methods as a torch user calls them, for messages
-_OP_NAMES = {m: f"Tensor.{m}" for m in ("uniform_", "normal_", "log_normal_", "exponential_",
-                                         "cauchy_", "geometric_", "bernoulli_", "random_")}
-_OP_NAMES.update(random_range_="Tensor.random_ (torch.randint)", randperm_="torch.randperm")
+_OP_NAMES = {m: f"Tensor.{m}" for m in ("log_normal_", "exponential_", "cauchy_", "geometric_",
+                                         "bernoulli_", "random_")}
+_OP_NAMES.update(uniform_="Tensor.uniform_ (torch.rand)", normal_="Tensor.normal_ (torch.randn)",
+                 random_range_="Tensor.random_ (torch.randint)", randperm_="torch.randperm")
 
 
 def refuse_capture(op: str = "a draw") -> None:
@@ -799,6 +800,12 @@ def cuda_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) ->
 _DEFAULTS = {"uniform_": ((), (0.0, 1.0)), "normal_": ((), (0.0, 1.0)), "exponential_": ((), (1.0,))}
 
 
+def _default_args(method: str, params: tuple) -> bool:
+    """Whether ``params`` are ``method``'s default arguments (plain numbers: a tensor or NumPy
+    argument is never taken for one, so it gets the CPU sampler's checks and errors)."""
+    return all(type(p) in (int, float) for p in params) and params in _DEFAULTS.get(method, ())
+
+
 class _LoadError(RuntimeError):
     pass
 
@@ -814,7 +821,7 @@ def _fast_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) -
             raise _LoadError(str(exc)) from exc
     if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor):
         params = (_bernoulli_p(tensor, params[0], wait=False),)
-    elif params not in _DEFAULTS.get(method, ()):
+    elif not _default_args(method, params):
         # the CPU sampler validates the arguments (same errors) and reserves nothing for 0 elements;
         # the default arguments need no check (the adapter has checked the dtype)
         getattr(sampler, method)(torch.empty(0, dtype=tensor.dtype), *params)

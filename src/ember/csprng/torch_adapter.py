@@ -247,10 +247,10 @@ def _int_arg(v: Any, what: str) -> int:
     return v.__index__()
 
 
-def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None = None
-         ) -> tuple[torch.Tensor, bool, bool]:
-    """The output tensor of a factory call (``out=`` if given), its requires_grad flag, and
-    whether the tensor is new (not the caller's ``out=``)."""
+def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None = None,
+         op: str = "a draw") -> tuple[torch.Tensor, bool, bool]:
+    """The output tensor of a factory call ``op`` (``out=`` if given), its requires_grad flag,
+    and whether the tensor is new (not the caller's ``out=``)."""
     if len(kwargs) == 1:  # generator= alone: the common call, kept short
         return advise_fresh(torch.empty(size, dtype=default_dtype)), False, True
     out = kwargs.pop("out", None)
@@ -267,6 +267,7 @@ def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None 
         dtype = kwargs_dtype
         if dtype is not None and out.dtype != dtype:
             raise RuntimeError(f"dtype {dtype} does not match the dtype of out= ({out.dtype})")
+        _refuse_capture(op, out)  # before out= is resized: a refused call changes nothing
         if out.shape != size:
             out.resize_(size)
         return out, requires_grad, False
@@ -377,7 +378,7 @@ def _rand(*args: Any, **kwargs: Any) -> torch.Tensor:
         return t
     _check_size_given("rand", args, kwargs)
     _check_resizable_out(kwargs)
-    t, rg, fresh = _new(_size(args, kwargs), kwargs)
+    t, rg, fresh = _new(_size(args, kwargs), kwargs, op="torch.rand")
     return _finish(fill_(t, g, "uniform_", 0.0, 1.0, fresh=fresh), rg)
 
 
@@ -389,7 +390,7 @@ def _randn(*args: Any, **kwargs: Any) -> torch.Tensor:
         return t
     _check_size_given("randn", args, kwargs)
     _check_resizable_out(kwargs)
-    t, rg, fresh = _new(_size(args, kwargs), kwargs)
+    t, rg, fresh = _new(_size(args, kwargs), kwargs, op="torch.randn")
     return _finish(fill_(t, g, "normal_", 0.0, 1.0, fresh=fresh), rg)
 
 
@@ -432,7 +433,7 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
     if low >= high:
         raise InvalidArgument(f"random_ expects 'from' to be less than 'to', but got "
                               f"from={low} >= to={high}")
-    t, rg, fresh = _new(_size((), kwargs), kwargs, default_dtype=torch.int64)
+    t, rg, fresh = _new(_size((), kwargs), kwargs, default_dtype=torch.int64, op="torch.randint")
     return _finish(fill_(t, g, "random_range_", low, high, fresh=fresh), rg)
 
 
@@ -457,7 +458,7 @@ def _randperm(n: int, **kwargs: Any) -> torch.Tensor:
     n = _int_arg(n, "randperm(): n")
     if n < 0:
         raise RuntimeError(f"randperm: n must be non-negative, got {n}")
-    t, rg, fresh = _new((n,), kwargs, default_dtype=torch.int64)
+    t, rg, fresh = _new((n,), kwargs, default_dtype=torch.int64, op="torch.randperm")
     return _finish(fill_(t, g, "randperm_", fresh=fresh), rg)
 
 
@@ -477,7 +478,7 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
             raise TypeError("normal(mean, std, size) takes float mean and std")
         if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
             kwargs["device"] = "cpu"
-        t, rg, fresh = _new(_size((size,), {}), kwargs)
+        t, rg, fresh = _new(_size((size,), {}), kwargs, op="torch.normal")
         return _finish(fill_(t, g, "normal_", float(mean), float(std), fresh=fresh), rg)
     mean, std = _pick(args, {k: kwargs.pop(k) for k in ("mean", "std") if k in kwargs},
                       ("mean", "std"), (0.0, 1.0))
