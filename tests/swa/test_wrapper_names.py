@@ -178,3 +178,46 @@ def test_ddp_model_with_a_child_named_module(tmp_path):
     init_file = str(tmp_path / "init").replace("\\", "/")
     mp.spawn(_ddp_worker, args=(init_file, out), nprocs=1, join=True)
     assert torch.load(out) == "ok"
+
+
+class OwnOrigMod(nn.Module):
+    """A plain model (nothing compiled) whose first child the user called ``_orig_mod``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self._orig_mod = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+        self.weight = nn.Parameter(torch.randn(2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self._orig_mod(x)) @ self.weight
+
+
+@pytest.mark.parametrize("cls", [SWA, EMA])
+def test_a_child_called_orig_mod_is_not_a_compile_wrapper(cls):
+    model = OwnOrigMod()
+    kw = {} if cls is SWA else {"multi_avg_fn": swa_utils.get_ema_multi_avg_fn(0.9)}
+    ours, ref = cls(model, **kw), swa_utils.AveragedModel(model, **kw)
+    for i in range(4):
+        _step(model, i)
+        ours.update_parameters(model)
+        ref.update_parameters(model)
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v), k
+    x = torch.randn(5, 3)
+    assert torch.equal(ours(x), ref(x))
+
+
+def test_swag_names_of_a_model_with_its_own_orig_mod_child():
+    model = OwnOrigMod()
+    swag = SWAG(model, max_rank=2)
+    assert swag.names == [n for n, _ in model.named_parameters()]
+    swag.collect(model)
+    swag.collect(torch.compile(model, backend="eager"))  # a real wrapper around it: same names
+    assert swag.n_collected == 2
+    target = OwnOrigMod(1)
+    swag.sample(scale=0.0, model=target)  # the mean of two equal snapshots: the model
+    for (n, p), (_, q) in zip(target.named_parameters(), model.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q.detach(), msg=n)
