@@ -59,13 +59,17 @@ ROUTES = {
     "secure_noise_foreach_ mixed": lambda g: secure_noise_foreach_(
         [torch.empty(3), cuda(torch.empty(3))], 1.0, generator=g),
     # host work on CUDA tensors outside the generator API: the functional op reads its state on
-    # the host; AES with a CUDA key or without the device kernel and AES-GCM (a replay would
-    # reuse the nonce) read their tensors on the host
+    # the host; AES reads a CUDA key on the host and uploads a new key's table from it (and with
+    # CTR a replay would reuse the keystream); AES-GCM reads its tensors on the host (a replay
+    # would reuse the nonce)
     "ops.sample": lambda g: ops.sample(cuda(ops.state_of(g)), "uniform_", (3,)),
     "encrypt cuda key": lambda g: csprng.encrypt(cuda(torch.zeros(16, dtype=torch.uint8)),
                                                  cuda(torch.empty(16, dtype=torch.uint8)), _KEY),
     "decrypt cuda key": lambda g: csprng.decrypt(cuda(torch.zeros(16, dtype=torch.uint8)),
                                                  cuda(torch.empty(16, dtype=torch.uint8)), _KEY),
+    "encrypt cuda input": lambda g: csprng.encrypt(cuda(torch.zeros(16, dtype=torch.uint8)),
+                                                   cuda(torch.empty(16, dtype=torch.uint8)),
+                                                   torch.arange(16, dtype=torch.uint8), mode="ctr"),
     "encrypt_gcm": lambda g: csprng.encrypt_gcm(cuda(torch.zeros(16, dtype=torch.uint8)), bytes(16)),
     "decrypt_gcm": lambda g: csprng.decrypt_gcm(cuda(torch.zeros(16, dtype=torch.uint8)), bytes(16),
                                                 bytes(12), bytes(16), dtype=torch.uint8, shape=(16,)),
@@ -89,7 +93,8 @@ OPS = {
     "bernoulli": "torch.bernoulli", "bernoulli p, cpu out=": "torch.bernoulli",
     "bernoulli_ cuda p": "Tensor.bernoulli_", "normal_foreach_ mixed": "normal_foreach_",
     "secure_noise_foreach_ mixed": "secure_noise_foreach_", "ops.sample": "ember.csprng.ops.sample",
-    "encrypt cuda key": "ember.csprng.encrypt", "decrypt cuda key": "ember.csprng.decrypt",
+    "encrypt cuda key": "ember.csprng.encrypt",
+    "encrypt cuda input": "ember.csprng.encrypt", "decrypt cuda key": "ember.csprng.decrypt",
     "encrypt_gcm": "ember.csprng.encrypt_gcm", "decrypt_gcm": "ember.csprng.decrypt_gcm",
 }
 

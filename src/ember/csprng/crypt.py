@@ -57,8 +57,9 @@ def _check_device(**tensors: torch.Tensor) -> None:
 
 
 def _refuse_host_route(op: str, *tensors: torch.Tensor) -> None:
-    """Refuse, during CUDA graph capture, a call that reads a CUDA tensor on the host: the
-    capture cannot hold the host work, and a replay would reuse its result (for GCM, its nonce)."""
+    """Refuse a call on CUDA tensors during CUDA graph capture: the capture cannot hold its host
+    work (reading the data or key, uploading a key table), and a replay would reuse its result
+    (for GCM, its nonce)."""
     from .torch_adapter import _refuse_capture
 
     _refuse_capture(op, *tensors)
@@ -205,8 +206,9 @@ def _checked(input, output, key, cipher: str, mode: str,
     _check_device(input=input, output=output, key=key)
     _check_same_device(input, output)
     _check_cipher_mode(cipher, mode)
-    if key.is_cuda or _kernels_for(input) is None:  # a CUDA tensor read on the host
-        _refuse_host_route(f"ember.csprng.{op}", input, key)
+    # CUDA tensors: refused during graph capture on every route (the host reads them, or the
+    # first call with a key uploads its table from the host, which a capture cannot hold)
+    _refuse_host_route(f"ember.csprng.{op}", input, key)
     raw_key = _key_bytes(key, (16,))
     _check_output(output)
     return input, output, raw_key
