@@ -88,6 +88,12 @@ def unwrapped_names(model: nn.Module) -> Callable[[str], str]:
     return strip
 
 
+def unwrapped_named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` with the names of :func:`unwrapped_names`."""
+    strip = unwrapped_names(model)
+    return [(strip(n), p) for n, p in model.named_parameters()]
+
+
 def _is_data_parallel(model: nn.Module) -> bool:
     return isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
 

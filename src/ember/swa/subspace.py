@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ember.swa._batches import unwrap_compiled, unwrapped_names
+from ember.swa._batches import unwrap_compiled, unwrapped_named_parameters
 from ember.swa.bn import has_running_stats, update_bn
 
 __all__ = [
@@ -31,11 +31,6 @@ __all__ = [
 ]
 
 LogLikelihood = Callable[[Tensor], Tensor]
-
-
-def _params(model: nn.Module) -> list[tuple[str, Tensor]]:
-    strip = unwrapped_names(model)
-    return [(strip(n), p) for n, p in model.named_parameters()]
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -170,7 +165,7 @@ class Subspace:
         return self.shift + z.to(self.basis.dtype) @ self.basis
 
     def _check_model(self, model: nn.Module) -> list[Tensor]:
-        params = _params(model)
+        params = unwrapped_named_parameters(model)
         names = [n for n, _ in params]
         if self.names is None:
             if sum(p.numel() for _, p in params) != self.num_parameters:
@@ -205,7 +200,7 @@ class Subspace:
         """``{name: tensor}`` of the weights at ``z``, differentiable in ``z`` (for
         ``torch.func.functional_call``)."""
         params = self._check_model(model)
-        names = self.names or [n for n, _ in _params(model)]
+        names = self.names or [n for n, _ in unwrapped_named_parameters(model)]
         w = self.reconstruct(z)
         pieces = torch.split(w, [p.numel() for p in params])
         return {n: t.view_as(p).to(p.dtype) for n, t, p in zip(names, pieces, params,

@@ -14,15 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ember.swa._batches import Forward, default_forward, to_device, unwrapped_names
+from ember.swa._batches import Forward, default_forward, to_device, unwrapped_named_parameters
 from ember.swa.bn import has_running_stats, update_bn
 
 __all__ = ["SWAG", "MultiSWAG", "bayesian_average"]
-
-
-def _named_parameters(model: nn.Module) -> list[tuple[str, Tensor]]:
-    strip = unwrapped_names(model)
-    return [(strip(n), p) for n, p in model.named_parameters()]
 
 
 class SWAG:
@@ -64,7 +59,7 @@ class SWAG:
                              f"got {max_rank!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-        params_all = _named_parameters(model)
+        params_all = unwrapped_named_parameters(model)
         if not params_all:
             raise ValueError("model has no parameters to build a SWAG posterior over")
         self.subset = params is not None
@@ -123,7 +118,7 @@ class SWAG:
         return (2 + self.max_rank) * self.num_parameters * itemsize
 
     def _check_model(self, model: nn.Module) -> list[Tensor]:
-        params = _named_parameters(model)
+        params = unwrapped_named_parameters(model)
         if self.subset:
             by_name = dict(params)
             missing = [n for n in self.names if n not in by_name]
