@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ember.demo.protocol import PROTOCOL, _model, _read_all, write_digits_shards
+from ember.demo.protocol import PROTOCOL, _model, _optimizer, _read_all, write_digits_shards
 from ember.swa import accuracy
 
-if str(Path(__file__).parent) not in sys.path:  # the shared SGD epoch of the SWA benches
+if str(Path(__file__).parent) not in sys.path:  # the SWA benches' cosine-SGD loop
     sys.path.append(str(Path(__file__).parent))
-from swa_family_tuning import sgd_epoch  # noqa: E402
+from swa_family_tuning import train_cosine as cosine_run  # noqa: E402
 
 FACTORS = (0.25, 0.5, 1.0, 2.0)
 SEEDS = (0, 1, 2)
@@ -50,13 +50,7 @@ def train_cosine(lr: float, seed: int, epochs: int, x: torch.Tensor, y: torch.Te
     """The demo's model and optimizer at peak rate ``lr``, cosine-annealed to 0 over ``epochs``."""
     torch.manual_seed(seed)  # the demo's initial weights for this seed
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
-    order = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        sgd_epoch(model, opt, x, y, order)
-        sched.step()
-    return model
+    return cosine_run(model, _optimizer(model, lr), seed, epochs, x, y)
 
 
 @torch.no_grad()

@@ -97,12 +97,7 @@ def _train_cosine(lr: float, seed: int, xtr: torch.Tensor, ytr: torch.Tensor, ep
     torch.manual_seed(seed)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
-    order = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        _tuning().sgd_epoch(model, opt, xtr, ytr, order)
-        sched.step()
-    return model
+    return _tuning().train_cosine(model, opt, seed, epochs, xtr, ytr)
 
 
 def _run_seed(seed: int, quick: bool, xtr, ytr, tests, tests_y, cos_lr: float

@@ -38,6 +38,18 @@ def sgd_epoch(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: 
         opt.step()
 
 
+def train_cosine(model: nn.Module, opt: torch.optim.Optimizer, seed: int, epochs: int,
+                 x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    """Train ``model`` for ``epochs`` epochs of :func:`sgd_epoch` (data order from ``seed``) with
+    ``opt``'s rate cosine-annealed per epoch to 0; returns ``model``."""
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+    order = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        sgd_epoch(model, opt, x, y, order)
+        sched.step()
+    return model
+
+
 def grid(base_lr: float, quick: bool) -> list[float]:
     """The pre-declared learning rates around ``base_lr``."""
     return [base_lr * f for f in (QUICK_FACTORS if quick else FACTORS)]
