@@ -247,8 +247,8 @@ def _int_arg(v: Any, what: str) -> int:
     return v.__index__()
 
 
-def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None = None,
-         op: str = "a draw") -> tuple[torch.Tensor, bool, bool]:
+def _new(size: tuple[int, ...], kwargs: dict, default_dtype: torch.dtype | None = None, *,
+         op: str) -> tuple[torch.Tensor, bool, bool]:
     """The output tensor of a factory call ``op`` (``out=`` if given), its requires_grad flag,
     and whether the tensor is new (not the caller's ``out=``)."""
     if len(kwargs) == 1:  # generator= alone: the common call, kept short
