@@ -13,12 +13,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import processes
 from ember.cli import main
 from ember.shards import iter_shard
 
@@ -181,18 +181,14 @@ def test_a_signal_during_create_force_leaves_the_old_shards_intact(sig, big, old
     post = shlex.join([sys.executable, "-c", f"import time; open({str(started)!r}, 'w'); "
                        "time.sleep(60)", "{}"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "ember.cli", "shards", "create", str(big),
-                             "-o", str(out / "t-%03d.tar"), "--maxcount", "4", "--force", "-q",
-                             "--post", post], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not started.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    proc = processes.popen([sys.executable, "-m", "ember.cli", "shards", "create", str(big),
+                            "-o", str(out / "t-%03d.tar"), "--maxcount", "4", "--force", "-q",
+                            "--post", post], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    processes.wait_for(started.exists, proc, "the --post command to start")
     signum = getattr(signal, sig)
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=60)
+    _, err = processes.communicate(proc, f"ember shards create to end after {sig}")
     assert proc.returncode == 128 + signum, err.decode()
     assert err.decode().splitlines() == ["ember shards create: interrupted; nothing was written, "
                                          "the earlier shards are unchanged"]

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,8 @@ from test_cli_user_data import (
     wds,
     write_with_webdataset,
 )
+
+import processes
 
 
 def _png(width: int, height: int, seed: int = 0) -> bytes:
@@ -192,15 +193,12 @@ def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tmp_path):
                                               for i in range(400)])
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "ember.cli", *_args(
+    proc = processes.popen([sys.executable, "-m", "ember.cli", *_args(
         shard, out, "--epochs", "1000", "--batch-size", "4")], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert (out / "checkpoints" / "last.pt").exists()
+    processes.wait_for((out / "checkpoints" / "last.pt").exists, proc, "the first checkpoint")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = processes.communicate(proc, "ember train to end after SIGINT")
     lines = err.strip().splitlines()
     assert proc.returncode == 130, err
     assert len(lines) == 1 and lines[0].startswith("ember train: interrupted"), err

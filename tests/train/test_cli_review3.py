@@ -19,6 +19,8 @@ import pytest
 from test_cli_review import _args, _png, _shard
 from test_cli_user_data import Image, ember, one_error_line, snapshot
 
+import processes
+
 
 def _good(folder: Path, n: int = 4, name: str = "good.tar") -> Path:
     return _shard(folder / name, [(f"g{i:03d}", _png(8, 8, i % 5), str(i % 2).encode())
@@ -78,20 +80,18 @@ def test_a_force_run_ended_by_a_signal_puts_the_old_run_back(sig, tmp_path):
     assert ember(*_args(shard, out)).returncode == 0
     before = snapshot(out)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "ember.cli", *_args(
+    proc = processes.popen([sys.executable, "-m", "ember.cli", *_args(
         shard, out, "--epochs", "1000", "--batch-size", "4", "--force", "--checkpoint-every",
         "5")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 120
+
     def training() -> bool:  # the old run moved aside and the new one writing its log
         aside = [p for p in out.iterdir() if p.name.startswith(".ember-replaced")]
         return bool(aside) and (out / "metrics.jsonl").exists()
 
-    while not training() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert training()
+    processes.wait_for(training, proc, "the new run to start training")
     time.sleep(1.0)
     proc.send_signal(getattr(signal, sig))
-    _, err = proc.communicate(timeout=60)
+    _, err = processes.communicate(proc, f"ember train to end after {sig}")
     lines = err.strip().splitlines()
     assert proc.returncode == (143 if sig == "SIGTERM" else 130), err
     assert len(lines) == 1 and lines[0].startswith("ember train: interrupted"), err

@@ -1,0 +1,1 @@
+"""Suite-wide setup: this folder is on sys.path, so tests share tests/processes.py."""
