@@ -145,9 +145,16 @@ class SWAG:
 
     # -- collection ----------------------------------------------------------------------------
 
+    def update(self, model: nn.Module, step: int | None = None) -> None:
+        """Add the current parameters of ``model`` to the posterior: the averager protocol shared
+        with :class:`SWA` and :class:`EMA` (``step`` is accepted and not used: every call
+        collects)."""
+        self.collect(model)
+
     @torch.no_grad()
     def collect(self, model: nn.Module) -> None:
-        """Add the current parameters of ``model`` to the running moments and the deviation ring."""
+        """Add the current parameters of ``model`` to the running moments and the deviation ring
+        (the same as :meth:`update`)."""
         params = self._check_model(model)
         n = self.n_collected
         if self.diagonal:
