@@ -11,9 +11,9 @@ phase 1. The averaging operations themselves live in :mod:`ember.swa.swap`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,19 +62,7 @@ def refine_locally(model: nn.Module, optimizer: torch.optim.Optimizer, loader: I
     ``fresh_optimizer=True`` clears the optimizer's state (momentum buffers) first, so phase 2
     does not carry phase 1's large-batch momentum. Returns the mean training loss of every epoch.
     """
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
-    if schedule not in PHASE2_SCHEDULES:
-        raise ValueError(f"schedule must be one of {PHASE2_SCHEDULES}, got {schedule!r}")
-    if lr is not None and not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    total = None
-    if schedule != "constant":
-        try:
-            total = epochs * len(loader)  # type: ignore[arg-type]
-        except TypeError as err:
-            raise ValueError(f"schedule={schedule!r} needs a loader with a length (len(loader)); "
-                             f"give the loader one or pass schedule='constant' ({err})") from None
+    total = _phase2_steps(loader, epochs, schedule, lr)
     module = unwrap_compiled(model)
     loss_fn = loss_fn or nn.functional.cross_entropy
     dev = torch.device(device) if device is not None else None
@@ -105,6 +93,23 @@ def refine_locally(model: nn.Module, optimizer: torch.optim.Optimizer, loader: I
     return losses
 
 
+def _phase2_steps(loader: Iterable, epochs: int, schedule: str, lr: float | None) -> int | None:
+    """Check refine_locally's arguments; the steps its schedule decays over (None: constant)."""
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
+    if schedule not in PHASE2_SCHEDULES:
+        raise ValueError(f"schedule must be one of {PHASE2_SCHEDULES}, got {schedule!r}")
+    if lr is not None and not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if schedule == "constant":
+        return None
+    try:
+        return epochs * len(loader)  # type: ignore[arg-type]
+    except TypeError as err:
+        raise ValueError(f"schedule={schedule!r} needs a loader with a length (len(loader)); "
+                         f"give the loader one or pass schedule='constant' ({err})") from None
+
+
 def _phase1(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable, config: Any,
             *, target_accuracy: float | None,
             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -119,7 +124,7 @@ def _phase1(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable
         return result, config.epochs
     if not hasattr(loader, "__len__"):
         raise ValueError("phase1_target_accuracy needs a large-batch loader with a length")
-    steps_per_epoch = len(loader) // config.accumulate
+    steps_per_epoch = len(cast(Sized, loader)) // config.accumulate
     if steps_per_epoch < 1:
         raise ValueError("phase1_target_accuracy: the large-batch loader has fewer batches than "
                          "config.accumulate")
