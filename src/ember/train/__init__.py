@@ -19,9 +19,11 @@ _EXPORTS = {
     "weights_digest": "checkpoint",
     "check_shards": "data", "image_class_loader": "data", "peek_image_shape": "data",
     "ConfigError": "errors",
-    "TrainConfig": "loop", "TrainResult": "loop", "evaluate": "loop", "fit": "loop",
-    "predict": "loop",
-    "GaussianGradientNoise": "noise",
+    "TrainConfig": "config", "StepConfig": "config", "ScheduleConfig": "config",
+    "SWAConfig": "config", "SWAGConfig": "config", "EMAConfig": "config",
+    "CheckpointConfig": "config", "LogConfig": "config",
+    "StopTraining": "components", "Component": "components",
+    "TrainResult": "loop", "evaluate": "inference", "fit": "loop", "predict": "inference",
     "PRECISIONS": "precision", "Precision": "precision",
     "PrivacyConfig": "privacy",
     "SWAPResult": "recipes", "refine_and_average": "recipes", "refine_locally": "recipes",
@@ -31,9 +33,17 @@ _EXPORTS = {
 __all__ = [
     "PRECISIONS",
     "ConfigError",
-    "GaussianGradientNoise",
+    "CheckpointConfig",
+    "Component",
+    "EMAConfig",
+    "LogConfig",
     "Precision",
     "PrivacyConfig",
+    "SWAConfig",
+    "SWAGConfig",
+    "ScheduleConfig",
+    "StepConfig",
+    "StopTraining",
     "SWAPResult",
     "TrainConfig",
     "TrainResult",
@@ -54,10 +64,21 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ember.train.checkpoint import load_checkpoint, save_checkpoint, weights_digest
+    from ember.train.components import Component, StopTraining
+    from ember.train.config import (
+        CheckpointConfig,
+        EMAConfig,
+        LogConfig,
+        ScheduleConfig,
+        StepConfig,
+        SWAConfig,
+        SWAGConfig,
+        TrainConfig,
+    )
     from ember.train.data import check_shards, image_class_loader, peek_image_shape
     from ember.train.errors import ConfigError
-    from ember.train.loop import TrainConfig, TrainResult, evaluate, fit, predict
-    from ember.train.noise import GaussianGradientNoise
+    from ember.train.inference import evaluate, predict
+    from ember.train.loop import TrainResult, fit
     from ember.train.precision import PRECISIONS, Precision
     from ember.train.privacy import PrivacyConfig
     from ember.train.recipes import (

@@ -21,7 +21,8 @@ from ember.train.errors import ConfigError
 __all__ = ["CHECKPOINT_NAME", "FORMAT", "find_checkpoint", "load_checkpoint", "rng_state",
            "save_checkpoint", "set_rng_state", "weights_digest"]
 
-FORMAT = "ember-train-checkpoint/1"
+FORMAT = "ember-train-checkpoint/2"
+_EARLIER_FORMATS = ("ember-train-checkpoint/1",)
 CHECKPOINT_NAME = "last.pt"
 
 
@@ -68,6 +69,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             else type(exc).__name__
         raise ConfigError(f"{path} is not an ember.train checkpoint (torch.load: "
                           f"{first[:200]})") from None
+    if isinstance(state, dict) and state.get("format") in _EARLIER_FORMATS:
+        raise ConfigError(f"{path} was written by an earlier ember (format {state['format']!r}, "
+                          f"this one reads {FORMAT!r}): finish that run with the version that "
+                          "wrote it, or start a new one")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"{path} is not an ember.train checkpoint (expected format {FORMAT!r})")
     return state

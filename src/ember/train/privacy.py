@@ -20,20 +20,19 @@ import contextlib
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence, Sized
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from ember.train.errors import ConfigError
+from ember.train.privacy_config import ACCOUNTANTS, PrivacyConfig
 
 __all__ = ["ACCOUNTANTS", "NOT_COVERED_BY_DP", "EpsilonTooLowError", "PrivacyConfig",
            "PrivateTraining", "add_secure_noise", "check_combination", "check_loader",
            "check_model", "fuse_secure_noise", "make_private", "secure_noise", "strip_opacus"]
 
-ACCOUNTANTS = ("rdp", "prv")
 
 # record fields computed from the training data without noise: epsilon does not cover them
 NOT_COVERED_BY_DP = ("train_loss", "loss", "nonempty_batches", "batches", "dataset_size",
@@ -61,89 +60,6 @@ class EpsilonTooLowError(ConfigError):
         self.steps, self.sample_rate = steps, sample_rate
 
 
-@dataclass
-class PrivacyConfig:
-    """What DP-SGD guarantee to train for.
-
-    - ``max_grad_norm``: per-example clipping bound C (required).
-    - ``epsilon``, ``delta``: the target budget; the noise multiplier is then found by Opacus
-      (``get_noise_multiplier``) for exactly the steps ``fit`` will take (``epochs *
-      len(train_loader)``). Or give ``noise_multiplier`` directly (``delta`` is still needed to
-      report epsilon). A ``delta`` of 1/N or more (N examples) warns: it allows leaking a record.
-    - ``accountant``: Opacus's accountant, ``"rdp"`` or ``"prv"``. (``"gdp"`` is refused: its
-      central-limit approximation under-reports epsilon at the sample rates used in practice.)
-    - ``max_physical_batch_size``: split each Poisson (logical) batch into physical batches of at
-      most this many examples; clipping stays per example and the accountant counts logical
-      steps (Opacus's ``BatchMemoryManager``). None: one physical batch per logical one.
-    - ``max_epsilon``: end training before the first step that would take the spent epsilon
-      above this bound (the budget stop).
-    - ``replace_batchnorm``: replace every BatchNorm layer (trainable or not) by the GroupNorm
-      Opacus's ``ModuleValidator.fix`` chooses, in place (the existing affine parameters are
-      kept, so the optimizer still holds them); otherwise a model with BatchNorm is refused.
-    - ``noise_seed``: for tests only, key the noise and sampling generator from this seed (anyone
-      who knows it can remove the noise: **not private**; ``fit`` warns and marks the result and
-      its records ``private: false``). None (default) keys it from the OS.
-    """
-
-    max_grad_norm: float | None = None
-    epsilon: float | None = None
-    delta: float | None = None
-    noise_multiplier: float | None = None
-    accountant: str = "rdp"
-    replace_batchnorm: bool = False
-    noise_seed: int | None = None
-    max_physical_batch_size: int | None = None
-    max_epsilon: float | None = None
-
-    def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first invalid option."""
-        def number(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-        if self.max_grad_norm is None:
-            raise ConfigError("privacy needs max_grad_norm (the per-example clipping bound C)")
-        if not number(self.max_grad_norm) or not self.max_grad_norm > 0:
-            raise ConfigError(f"privacy max_grad_norm must be > 0, got {self.max_grad_norm!r}")
-        if self.delta is None:
-            raise ConfigError("privacy needs delta (e.g. 1e-5, below 1/dataset size)")
-        if not number(self.delta) or not 0 < self.delta < 1:
-            raise ConfigError(f"privacy delta must be in (0, 1), got {self.delta!r}")
-        if self.epsilon is None and self.noise_multiplier is None:
-            raise ConfigError("privacy needs a target epsilon or a noise_multiplier")
-        if self.epsilon is not None and self.noise_multiplier is not None:
-            raise ConfigError("privacy: give epsilon (noise found for it) or noise_multiplier, "
-                              "not both")
-        if self.epsilon is not None and (not number(self.epsilon) or not self.epsilon > 0):
-            raise ConfigError(f"privacy epsilon must be > 0, got {self.epsilon!r}")
-        if self.epsilon is not None and self.epsilon > 100:
-            # the guarantee is a factor of e**epsilon; Opacus's search for a noise multiplier
-            # does not end for targets like 1e20
-            raise ConfigError(f"privacy epsilon must be at most 100, got {self.epsilon!r} (the "
-                              "guarantee, a factor of e**epsilon, says nothing above that)")
-        if self.noise_multiplier is not None and (not number(self.noise_multiplier)
-                                                  or not self.noise_multiplier > 0):
-            raise ConfigError(f"privacy noise_multiplier must be > 0, got {self.noise_multiplier!r}")
-        if self.accountant == "gdp":
-            raise ConfigError("privacy accountant 'gdp' is not supported: its Gaussian (CLT) "
-                              "approximation can underestimate epsilon (sigma 0.8, 47 steps at "
-                              "q = 1/47: 1.06 by gdp, 2.27 by prv); use 'prv' or 'rdp'")
-        if self.accountant not in ACCOUNTANTS:
-            raise ConfigError(f"unknown privacy accountant {self.accountant!r}; expected one of "
-                              f"{', '.join(ACCOUNTANTS)}")
-        if self.noise_seed is not None and (isinstance(self.noise_seed, bool)
-                                            or not isinstance(self.noise_seed, int)
-                                            or self.noise_seed < 0):
-            raise ConfigError(f"privacy noise_seed must be a non-negative int or None, "
-                              f"got {self.noise_seed!r}")
-        m = self.max_physical_batch_size
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ConfigError(f"privacy max_physical_batch_size must be an integer >= 1 or None, "
-                              f"got {m!r}")
-        if self.max_epsilon is not None and (not number(self.max_epsilon)
-                                             or not self.max_epsilon > 0):
-            raise ConfigError(f"privacy max_epsilon must be > 0 or None, got {self.max_epsilon!r}")
-
-
 def _opacus():
     try:
         import opacus
@@ -167,12 +83,13 @@ def check_model(model: nn.Module, *, replace_batchnorm: bool = False) -> nn.Modu
     _opacus()
     from opacus.validators import ModuleValidator
 
-    def where(name: str, m: nn.Module) -> str:
+    def where(name: str, m: Any) -> str:
         return f"{name or 'model'!r} ({type(m).__name__})"
 
     modules = list(model.named_modules(remove_duplicate=False))
     for name, m in modules:
-        if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+        if isinstance(m, nn.modules.lazy.LazyModuleMixin) \
+                and m.has_uninitialized_params():  # type: ignore[misc]  # torch's own annotation
             raise ConfigError(f"the model cannot be trained with DP-SGD: layer {where(name, m)} "
                               f"is uninitialised (lazy): call the model once on an example "
                               f"batch before fit")
@@ -215,7 +132,7 @@ def check_model(model: nn.Module, *, replace_batchnorm: bool = False) -> nn.Modu
 
 
 def add_secure_noise(tensors: Sequence[torch.Tensor], std: float,
-                     generator: torch.Generator) -> list[torch.Tensor]:
+                     generator: Any) -> list[torch.Tensor]:
     """``tensors`` plus Opacus's secure-mode Gaussian noise of std ``std`` (one draw per tensor,
     in order, from ``generator``): the one place DP-SGD's noise is drawn. On an ember generator
     the draws for all tensors are made together (:func:`secure_noise`), with exactly the values of
@@ -241,7 +158,8 @@ def check_loader(loader: Any, world: Any) -> None:
             isinstance(loader.dataset, torch.utils.data.IterableDataset):
         raise ConfigError("privacy needs a torch.utils.data.DataLoader over a map-style dataset: "
                           f"Poisson sampling picks examples by index (got {type(loader).__name__})")
-    sampler, n = loader.sampler, len(loader.dataset)
+    sampler: Any = loader.sampler
+    n = len(cast(Sized, loader.dataset))
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         raise ConfigError("privacy needs a DataLoader with a batch_size (not batch_sampler= or "
                           "batch_size=None): its batch count sets the sample rate")
@@ -256,8 +174,9 @@ def check_loader(loader: Any, world: Any) -> None:
     # these samplers read indices range(len(their own data source)), whatever it holds: the
     # source must be as long as the loader's dataset
     if isinstance(sampler, DistributedSampler):
-        if len(sampler.dataset) != n:
-            raise refuse(f"reads indices 0..{len(sampler.dataset) - 1} only")
+        source = len(cast(Sized, sampler.dataset))
+        if source != n:
+            raise refuse(f"reads indices 0..{source - 1} only")
         if sampler.drop_last and n % sampler.num_replicas:
             raise refuse("has drop_last=True and drops examples")
         if sampler.num_replicas != world.size or sampler.rank != world.rank:
@@ -282,7 +201,7 @@ class _PoissonBatches:
     the run's start, so a loader that prefetches cannot make it late)."""
 
     def __init__(self, share: torch.Tensor, sample_rate: float, steps: int,
-                 generator: torch.Generator, max_physical: int | None,
+                 generator: Any, max_physical: int | None,
                  stop: Callable[[int], bool]) -> None:
         self.share, self.sample_rate, self.steps = share, sample_rate, steps
         self.generator, self.max_physical, self.stop = generator, max_physical, stop
@@ -333,7 +252,7 @@ def _empty_like(batch: Any) -> Any:
 
 
 def _dp_optimizer(optimizer: torch.optim.Optimizer, sigma: float, max_grad_norm: float,
-                  expected_batch_size: float, generator: torch.Generator, world: Any) -> Any:
+                  expected_batch_size: float, generator: Any, world: Any) -> Any:
     """Opacus's DPOptimizer drawing its noise through :func:`add_secure_noise`; under several
     processes the clipped sums are added over ranks and only rank 0 adds noise
     (``DistributedDPOptimizer``'s semantics)."""
@@ -400,7 +319,7 @@ class PrivateTraining:
     ``generator`` of this rank and Opacus's ``accountant``, stepped once per logical step."""
 
     def __init__(self, model: nn.Module, module: Any, optimizer: Any, loader: Any,
-                 batches: _PoissonBatches, generator: torch.Generator, accountant: Any,
+                 batches: _PoissonBatches, generator: Any, accountant: Any,
                  config: PrivacyConfig, noise_multiplier: float, sample_rate: float,
                  steps_per_epoch: int, dataset_size: int, world: Any) -> None:
         self.model, self.module, self.optimizer, self.loader = model, module, optimizer, loader
@@ -423,8 +342,8 @@ class PrivateTraining:
         now = dict(self.model.named_buffers())
         for name, saved in self._buffers.items():
             b = now.get(name)
-            if _same_buffer(b, saved) and torch.allclose(b.detach(), saved.to(b.device), rtol=0,
-                                                         atol=0, equal_nan=True):
+            if b is not None and _same_buffer(b, saved) and torch.allclose(
+                    b.detach(), saved.to(b.device), rtol=0, atol=0, equal_nan=True):
                 continue
             self._restore_buffers()
             owner, _, attr = name.rpartition(".")
@@ -441,7 +360,7 @@ class PrivateTraining:
                 owner, _, attr = name.rpartition(".")
                 layer = self.model.get_submodule(owner)
                 current = layer._buffers.get(attr)
-                if _same_buffer(current, saved):
+                if current is not None and _same_buffer(current, saved):
                     current.copy_(saved)
                 else:
                     layer._buffers[attr] = saved.clone()
@@ -564,8 +483,12 @@ class PrivateTraining:
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-                 config: PrivacyConfig, epochs: int, world: Any = None) -> PrivateTraining:
-    """Wrap model, optimizer and loader for DP-SGD (call :func:`check_model` first)."""
+                 config: PrivacyConfig, epochs: int, world: Any = None, *,
+                 noise_multiplier: float | None = None) -> PrivateTraining:
+    """Wrap model, optimizer and loader for DP-SGD (call :func:`check_model` first).
+
+    ``noise_multiplier`` (a resumed run's) is used instead of searching one for
+    ``config.epsilon`` over ``epochs``; ``config.noise_multiplier``, when set, wins."""
     from ember.train.distributed import World
 
     world = world or World()
@@ -587,7 +510,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
         if len(set(seen)) != 1:
             raise ConfigError(f"privacy under several processes needs the same dataset and "
                               f"batch count on every rank, got (examples, batches) {seen}")
-    if config.delta >= 1 / n:
+    delta = cast(float, config.delta)  # checked
+    if delta >= 1 / n:
         warnings.warn(f"privacy delta={config.delta:g} is not below 1/N = 1/{n}: a mechanism "
                       f"that publishes one random record outright meets such a guarantee; use "
                       f"delta << 1/N", UserWarning, stacklevel=3)
@@ -600,7 +524,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
         base = csprng.create_random_device_generator()
     generator = base.fold_in(world.rank)  # this rank's own stream (sampling; noise on rank 0)
     sample_rate = 1 / steps_per_epoch
-    sigma = config.noise_multiplier
+    sigma = config.noise_multiplier if config.noise_multiplier is not None else noise_multiplier
     if sigma is None:
         steps = epochs * steps_per_epoch
         try:
@@ -625,7 +549,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any
         warnings.filterwarnings("ignore", message=".*[Ss]ecure.*")
         module = wrap_model(model, grad_sample_mode="hooks", batch_first=True,
                             loss_reduction="mean")
-    dp_optimizer = _dp_optimizer(optimizer, sigma, config.max_grad_norm, n * sample_rate,
+    dp_optimizer = _dp_optimizer(optimizer, sigma, cast(float, config.max_grad_norm),
+                                 n * sample_rate,
                                  generator, world)
     dp_optimizer.attach_step_hook(
         lambda _: accountant.step(noise_multiplier=sigma, sample_rate=sample_rate))
