@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ember.train.errors import ConfigError
+from ember.train.options import Option, Rule, options_of, violation
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +35,8 @@ __all__ = ["build_model", "register", "run"]
 _PRECISIONS = ("fp32", "bf16", "fp16")
 
 # files of a run in --out: a new run refuses to replace them without --force
-_RUN_FILES = ("model.pt", "swa.pt", "summary.json", "metrics.jsonl", "checkpoints/last.pt")
+_RUN_FILES = ("model.pt", "swa.pt", "ema.pt", "swag.pt", "summary.json", "metrics.jsonl",
+              "checkpoints/last.pt")
 
 # without --image-size, images whose first one has a side above this are fitted to this square
 _DEFAULT_MAX_SIDE = 64
@@ -40,13 +44,12 @@ _DEFAULT_MAX_SIDE = 64
 _MAX_PARAMETERS = 2**28
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
-_MAX_EPSILON = 100.0
 _MAX_BATCH_BYTES = 2**32  # 4 GiB of float32 pixels per batch
-_LIMITS = {"hidden": 2**20, "batch_size": 2**20, "epochs": 10**6, "accumulate": 2**20,
-           "workers": 1024, "shuffle_buffer": 10**8, "checkpoint_every": 10**12,
-           "swa_anneal_epochs": 10**6, "swag_rank": 1024, "swap_phase2_epochs": 10**6,
-           "swap_batch_size": 2**20, "swap_bn_batches": 10**9, "num_classes": 10**6,
-           "swa_start": 10**6}
+# bounds of the command's own options that keep a typo from allocating the machine away (the
+# config options carry theirs)
+_LIMITS = {"hidden": 2**20, "batch_size": 2**20, "workers": 1024, "shuffle_buffer": 10**8,
+           "swap_phase2_epochs": 10**6, "swap_batch_size": 2**20, "swap_bn_batches": 10**9,
+           "num_classes": 10**6}
 
 _EPILOG = """\
 outputs (in --out, written by rank 0):
@@ -98,6 +101,52 @@ def build_model(kind: str, input_shape: tuple[int, ...], num_classes: int, hidde
     raise ConfigError(f"unknown model {kind!r}; expected 'mlp' or 'cnn'")
 
 
+# argparse group title -> which config options it offers (TrainConfig's by group, PrivacyConfig's)
+_FLAG_GROUPS = (("training loop", ("", "step", "schedule", "checkpoint")),
+                ("SWA and SWAG (stochastic weight averaging and its Gaussian posterior)",
+                 ("swa", "swag")),
+                ("EMA (an exponential moving average of the weights)", ("ema",)),
+                ("differential privacy (DP-SGD through Opacus on ember.csprng)", ("privacy",)))
+# the CLI's own defaults where they differ from the config's
+_CLI_DEFAULTS = {"swa_lr": "--lr / 2", "swag_rank": "off", "ema_decay": "off"}
+_OPTIONAL_GROUPS = ("swa", "swag", "ema", "privacy")
+
+
+def config_options() -> list[Option]:
+    """The options of TrainConfig and PrivacyConfig that ``ember train`` offers as flags."""
+    from ember.train.config import train_options
+    from ember.train.privacy_config import PrivacyConfig
+
+    privacy = [dataclasses.replace(o, group="privacy")
+               for o in options_of(PrivacyConfig, prefix="dp_")]
+    return [o for o in [*train_options(), *privacy] if o.cli]
+
+
+def _dest(opt: Option) -> str:
+    return opt.flag.lstrip("-").replace("-", "_")
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the config options, with their help and, where their group is always on,
+    their defaults (an optional group's flags default to None: not given)."""
+    types: dict[Rule, Any] = {Rule.INT_POSITIVE: int, Rule.INT_NONNEGATIVE: int}
+    options = config_options()
+    for title, groups in _FLAG_GROUPS:
+        group = p.add_argument_group(title)
+        for opt in (o for o in options if o.group in groups):
+            off = opt.group in _OPTIONAL_GROUPS
+            shown = _CLI_DEFAULTS.get(opt.name, "none" if opt.default is None else opt.default)
+            kwargs: dict[str, Any] = {"dest": _dest(opt), "default": None if off else opt.default,
+                                      "help": f"{opt.help} (default: {shown})".replace("%",
+                                                                                        "%%")}
+            if opt.rule is Rule.CHOICE:
+                kwargs["choices"] = opt.choices
+            else:
+                kwargs["type"] = types.get(opt.rule, float)
+                kwargs["metavar"] = opt.name.split("_")[-1].upper()
+            group.add_argument(opt.flag, **kwargs)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``ember train`` to the ``ember`` command."""
     p = sub.add_parser(
@@ -139,7 +188,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(default: %(default)s)")
     model.add_argument("--hidden", type=int, default=256, metavar="N",
                        help="hidden layer width (default: %(default)s)")
-    model.add_argument("--epochs", type=int, default=10, help="epochs (default: %(default)s)")
     model.add_argument("--batch-size", type=int, default=64, metavar="N",
                        help="micro-batch size per process (default: %(default)s)")
     model.add_argument("--lr", type=float, default=0.05,
@@ -147,37 +195,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
     model.add_argument("--weight-decay", type=float, default=5e-4,
                        help="SGD weight decay (default: %(default)s)")
-    loop = p.add_argument_group("training loop")
-    loop.add_argument("--precision", choices=_PRECISIONS, default="fp32",
-                      help="fp32; bf16 autocast; fp16 autocast with GradScaler (overflowing steps "
-                      "skipped and counted) (default: %(default)s)")
-    loop.add_argument("--accumulate", type=int, default=1, metavar="K",
-                      help="micro-batches per optimizer step (default: %(default)s)")
-    loop.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
-                      help="clip the total gradient norm to C (after fp16 unscaling)")
-    loop.add_argument("--swa-start", type=int, default=None, metavar="EPOCH",
-                      help="first epoch (0-based) of the SWA phase: SWALR to --swa-lr, SWA (and SWAG "
-                      "with --swag-rank) collected after every epoch (default: no SWA)")
-    loop.add_argument("--swa-lr", type=float, default=None, help="SWA learning rate (default: lr/2)")
-    loop.add_argument("--swa-anneal-epochs", type=int, default=None, metavar="N",
-                      help="epochs of cosine annealing to --swa-lr (default: 1)")
-    loop.add_argument("--swag-rank", type=int, default=0, metavar="K",
-                      help="also collect a SWAG posterior of this deviation rank (the paper: 20); "
-                      "0 collects SWA only (default: %(default)s)")
-    dp = p.add_argument_group("differential privacy (DP-SGD through Opacus on ember.csprng)")
-    dp.add_argument("--dp-epsilon", type=float, default=None, metavar="E",
-                    help="train with DP-SGD for the budget (E, --dp-delta) over --epochs: the noise "
-                    "multiplier is found for it; each epoch logs the epsilon spent")
-    dp.add_argument("--dp-delta", type=float, default=None, metavar="D",
-                    help="delta of the DP guarantee (below 1/dataset size, e.g. 1e-5)")
-    dp.add_argument("--max-grad-norm", type=float, default=None, metavar="C",
-                    help="per-example gradient clipping bound for DP-SGD")
-    dp.add_argument("--dp-accountant", choices=("rdp", "prv"), default=None,
-                    help="privacy accountant (default: rdp)")
-    dp.add_argument("--keep-checkpoints", action="store_true",
-                    help="keep checkpoints/last.pt after a successful DP-SGD run (it holds the "
-                    "noise key: owner-only, never publish it); by default it is removed")
-    dp.add_argument("--dp-noise-multiplier", type=float, default=None, help=argparse.SUPPRESS)
+    _add_config_flags(p)
+    p.add_argument("--dp-noise-multiplier", type=float, default=None, help=argparse.SUPPRESS)
     swap = p.add_argument_group(
         "SWAP (stochastic weight averaging in parallel; needs torchrun with >= 2 processes)")
     swap.add_argument("--swap-phase2-epochs", type=int, default=None, metavar="N",
@@ -190,14 +209,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="phase-2 learning rate (default: --lr)")
     swap.add_argument("--swap-bn-batches", type=int, default=50, metavar="N",
                       help="batches per rank for the BatchNorm recomputation (default: %(default)s)")
-    loop.add_argument("--seed", type=int, default=0,
-                      help="seed of the data shuffle and of the ember.csprng noise stream; -1 keys "
-                      "the noise from the OS (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights, the data shuffle and the run's ember.csprng "
+                   "stream; -1 keys that stream from the OS. The DP-SGD noise is always keyed "
+                   "from the OS, whatever the seed (default: %(default)s)")
     run_ = p.add_argument_group("outputs and resumption")
     run_.add_argument("--out", default="ember-train-out", metavar="DIR",
                       help="output directory (default: %(default)s)")
-    run_.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
-                      help="also checkpoint every STEPS optimizer steps (default: epoch ends only)")
     run_.add_argument("--resume", default=None, metavar="PATH|auto",
                       help="continue from a checkpoint file or directory; 'auto' resumes from "
                       "DIR/checkpoints/last.pt if it exists")
@@ -205,7 +223,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="replace the run already in --out (its model.pt, swa.pt, summary.json, "
                       "metrics.jsonl and checkpoints/last.pt are moved aside, put back if the "
                       "new run fails, and deleted when it succeeds)")
+    run_.add_argument("--keep-checkpoints", action="store_true",
+                      help="keep checkpoints/last.pt after a successful DP-SGD run (it holds the "
+                      "noise key: owner-only, never publish it; needed to continue the run with "
+                      "more --epochs); by default it is removed")
     run_.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run_.add_argument("--swag-samples", type=int, default=20, metavar="S",
+                      help="with --swag-rank: SWAG samples averaged to evaluate the posterior on "
+                      "--eval-data (default: %(default)s)")
     p.set_defaults(func=_main)
 
 
@@ -224,15 +249,15 @@ def _image_size(text: str | None) -> tuple[int, int] | None:
     return (sizes[0], sizes[0]) if len(sizes) == 1 else (sizes[0], sizes[1])
 
 
-# option names of TrainConfig / PrivacyConfig / fit as the flags that set them
-_FLAGS = {
-    "swa_start": "--swa-start", "swa_lr": "--swa-lr", "swa_anneal_epochs": "--swa-anneal-epochs",
-    "swag_rank": "--swag-rank", "checkpoint_every": "--checkpoint-every",
-    "max_grad_norm": "--max-grad-norm", "checkpoint_dir": "--out", "train_loader": "--data",
-    "eval_loader": "--eval-data", "noise_multiplier": "--dp-noise-multiplier",
-    "epochs": "--epochs", "accumulate": "--accumulate", "precision": "--precision",
-    "resume": "--resume", "epsilon": "--dp-epsilon", "delta": "--dp-delta", "seed": "--seed",
-}
+# what ember.train's messages call the paths and loaders the command sets from its own flags
+_OWN_NAMES = {"checkpoint_dir": "--out", "train_loader": "--data", "eval_loader": "--eval-data",
+              "noise_multiplier": "--dp-noise-multiplier", "resume": "--resume", "seed": "--seed"}
+
+
+def _flags() -> dict[str, str]:
+    """Option name (as ember.train's messages write it) -> the flag that sets it."""
+    out = {o.name if o.group != "privacy" else o.field: o.flag for o in config_options()}
+    return {**out, **_OWN_NAMES}
 
 
 def _in_flag_terms(message: str) -> str:
@@ -244,11 +269,12 @@ def _in_flag_terms(message: str) -> str:
         start = m.start() == 0 or message[max(0, m.start() - 2):m.start()] == ": "
         subject = start and re.match(r"(:|\s+(must|needs|is)\b)", message[m.end():]) is not None
         if "_" in name or after.startswith("=") or subject:
-            return _FLAGS[name] + after
+            return flags[name] + after
         return name + after
 
-    message = re.sub(r"TrainConfig\.|PrivacyConfig\.", "", message)
-    names = "|".join(sorted(_FLAGS, key=len, reverse=True))
+    flags = _flags()
+    message = re.sub(r"TrainConfig\.|PrivacyConfig\.|\bprivacy (?=\w+ must)", "", message)
+    names = "|".join(sorted(flags, key=len, reverse=True))
     return re.sub(rf"(?<![\w-])({names})\b(=?)", lambda m: flag(m), message)
 
 
@@ -277,7 +303,9 @@ def _main(args: argparse.Namespace) -> int:
     from ember.shards.errors import ShardError
 
     try:
-        return run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _notice  # one line each, in the command's voice
+            return run(args)
     except (_Interrupted, KeyboardInterrupt) as exc:
         out = Path(getattr(args, "out", None) or ".")
         restored = isinstance(exc, _Interrupted) and exc.restored
@@ -299,18 +327,96 @@ def _main(args: argparse.Namespace) -> int:
         return _error(str(exc))
 
 
+def _notice(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+            file: Any = None, line: str | None = None) -> None:
+    """A warning as one line on stderr (no source line, no file name)."""
+    print(f"ember train: warning: {_in_flag_terms(_one_line(str(message)))}", file=sys.stderr,
+          flush=True)
+
+
 def _check_args(args: argparse.Namespace) -> None:
-    """The options on their own (before any data is looked at)."""
+    """The options on their own (before any data is looked at), each mistake one line in flag
+    terms: bounds, the config options' own rules, what needs what, then the CLI's own options."""
     if isinstance(args.out, str):
         if not args.out.strip():
             raise ConfigError("--out must name a directory, got an empty string")
         args.out = Path(args.out)
-    for name, limit in _LIMITS.items():
+    if args.swag_rank == 0:  # "0 collects SWA only", as before --swag-rank had no default
+        args.swag_rank = None
+    _check_limits(args)
+    _check_floats(args)
+    for opt in config_options():
+        value = getattr(args, _dest(opt))
+        wrong = violation(opt, value) if value is not None else None
+        if wrong is not None:
+            raise ConfigError(f"{opt.flag} {wrong}")
+    _check_dependencies(args)
+    _check_cli_options(args)
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    """Numbers too large to be meant (a typo) are refused before anything is allocated."""
+    limits = {**_LIMITS, **{_dest(o): o.maximum for o in config_options()
+                            if o.maximum is not None and o.rule is not Rule.POSITIVE}}
+    for name, limit in limits.items():
         value = getattr(args, name, None)
         if value is not None and value > limit:
             shown = value if value < 10**15 else f"{str(value)[:6]}... ({len(str(value))} digits)"
             raise ConfigError(f"--{name.replace('_', '-')} must be <= {limit}, got {shown}")
-    for name in ("hidden", "batch_size", "epochs", "accumulate"):
+
+
+def _float_flags() -> list[str]:
+    """The float options whose value reaches the float32 model (not the DP budget's)."""
+    generated = [_dest(o) for o in config_options() if o.group != "privacy"
+                 and o.rule in (Rule.POSITIVE, Rule.NONNEGATIVE, Rule.FRACTION)]
+    return ["lr", "momentum", "weight_decay", "swap_lr", *generated]
+
+
+def _check_floats(args: argparse.Namespace) -> None:
+    for name in [*_float_flags(), "dp_epsilon", "dp_delta", "max_grad_norm", "dp_max_epsilon"]:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value}")
+        if not name.startswith("dp_") and name != "max_grad_norm" and abs(value) > _FLOAT32_MAX:
+            # the model trains in float32: torch cannot turn a larger factor into one
+            raise ConfigError(f"{flag} must be at most {_FLOAT32_MAX:.3g} (float32's largest "
+                              f"number), got {value:g}")
+        if name in ("lr", "swa_lr", "swap_lr", "swa_lr_max") and 0 < value < _FLOAT32_TINY:
+            raise ConfigError(f"{flag} {value:g} is 0 in float32, in which the model trains (the "
+                              f"smallest rate is {_FLOAT32_TINY:.3g})")
+
+
+# an optional group's switch flags (all needed together) and what it says it is for
+_SWITCHES = {"swa": (("--swa-start",), "(the epoch where averaging starts)"),
+             "swag": (("--swag-rank",), "(the SWAG posterior's rank)"),
+             "ema": (("--ema-decay",), "(the EMA's decay)"),
+             "privacy": (("--dp-epsilon", "--dp-delta", "--max-grad-norm"), "")}
+
+
+def _check_dependencies(args: argparse.Namespace) -> None:
+    """Options of an optional group need its switch (``--swa-lr`` needs ``--swa-start``); SWAG
+    is collected in the SWA phase; DP-SGD needs its three settings together."""
+    given = {o.flag: o for o in config_options() if getattr(args, _dest(o)) is not None}
+    dp = _SWITCHES["privacy"][0]
+    if any(f in given for f in dp) and not all(f in given for f in dp):
+        raise ConfigError("DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm")
+    for flag, opt in given.items():
+        switches, why = _SWITCHES.get(opt.group, ((), ""))
+        if opt.group == "privacy" and flag not in switches and not all(f in given for f in dp):
+            raise ConfigError(f"{flag} is for DP-SGD runs (--dp-epsilon, --dp-delta, "
+                              "--max-grad-norm)")
+        if opt.group == "swag" and "--swa-start" not in given:
+            raise ConfigError(f"{flag} needs --swa-start (the epoch where averaging starts)")
+        if switches and flag not in switches and not all(f in given for f in switches):
+            raise ConfigError(f"{flag} needs {switches[0]} {why}".strip())
+
+
+def _check_cli_options(args: argparse.Namespace) -> None:
+    """The options that are the command's own (the model, the reading, SWAP, outputs)."""
+    for name in ("hidden", "batch_size"):
         value = getattr(args, name)
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -320,18 +426,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--shuffle-buffer and --workers must be >= 0")
     if not (args.seed == -1 or 0 <= args.seed < 2**63):
         raise ConfigError(f"--seed must be -1 or in [0, 2**63), got {args.seed}")
-    for name in ("lr", "momentum", "weight_decay", "clip_grad_norm", "swa_lr", "dp_epsilon",
-                 "dp_delta", "max_grad_norm", "swap_lr"):
-        value = getattr(args, name, None)
-        if value is not None and not math.isfinite(value):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
-        if value is not None and name != "dp_epsilon" and abs(value) > _FLOAT32_MAX:
-            # the model trains in float32: torch cannot turn a larger factor into one
-            raise ConfigError(f"--{name.replace('_', '-')} must be at most {_FLOAT32_MAX:.3g} "
-                              f"(float32's largest number), got {value:g}")
-        if value is not None and name in ("lr", "swa_lr", "swap_lr") and 0 < value < _FLOAT32_TINY:
-            raise ConfigError(f"--{name.replace('_', '-')} {value:g} is 0 in float32, in which the "
-                              f"model trains (the smallest rate is {_FLOAT32_TINY:.3g})")
     if args.ray_address is not None and args.workers:
         raise ConfigError("--workers applies to local reading; with --ray-address the Ray "
                           "cluster's CPUs read the shards (drop --workers)")
@@ -340,70 +434,95 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.momentum < 0 or args.weight_decay < 0:
         raise ConfigError(f"--momentum and --weight-decay must be >= 0, got {args.momentum} and "
                           f"{args.weight_decay}")
-    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
-        raise ConfigError(f"--clip-grad-norm must be > 0, got {args.clip_grad_norm}")
-    if args.swag_rank < 0:
-        raise ConfigError(f"--swag-rank must be >= 0, got {args.swag_rank}")
-    if args.swa_start is None:
-        for flag, value in (("--swa-lr", args.swa_lr), ("--swag-rank", args.swag_rank or None),
-                            ("--swa-anneal-epochs", args.swa_anneal_epochs)):
-            if value is not None:
-                raise ConfigError(f"{flag} needs --swa-start (the epoch where averaging starts)")
     if args.dp_noise_multiplier is not None:
         raise ConfigError("--dp-noise-multiplier was removed (it was not differential privacy); "
                           "use --dp-epsilon E --dp-delta D --max-grad-norm C")
-    if args.swap_phase2_epochs is not None:
-        if args.swap_phase2_epochs < 1:
-            raise ConfigError(f"--swap-phase2-epochs must be >= 1, got {args.swap_phase2_epochs}")
-        if args.swap_batch_size is not None and args.swap_batch_size < 1:
-            raise ConfigError(f"--swap-batch-size must be >= 1, got {args.swap_batch_size}")
-        if args.swap_lr is not None and not args.swap_lr > 0:
-            raise ConfigError(f"--swap-lr must be > 0, got {args.swap_lr}")
-        if args.swap_bn_batches < 1:
-            raise ConfigError(f"--swap-bn-batches must be >= 1, got {args.swap_bn_batches}")
-        if args.swa_start is not None or args.dp_epsilon is not None:
-            raise ConfigError("--swap-phase2-epochs cannot be combined with --swa-start or DP-SGD")
-    elif (args.swap_batch_size, args.swap_lr) != (None, None):
-        raise ConfigError("--swap-batch-size and --swap-lr need --swap-phase2-epochs")
-    dp = (args.dp_epsilon, args.dp_delta, args.max_grad_norm)
-    if any(v is not None for v in dp) and any(v is None for v in dp):
-        raise ConfigError("DP-SGD needs all of --dp-epsilon, --dp-delta and --max-grad-norm")
-    if args.dp_epsilon is not None and not 0 < args.dp_epsilon <= _MAX_EPSILON:
-        raise ConfigError(f"--dp-epsilon must be in (0, {_MAX_EPSILON:g}], got "
-                          f"{args.dp_epsilon:g} (above {_MAX_EPSILON:g} the guarantee, a factor "
-                          f"of e**epsilon, says nothing)")
-    if args.dp_accountant is not None and args.dp_epsilon is None:
-        raise ConfigError("--dp-accountant is for DP-SGD runs (--dp-epsilon, --dp-delta, "
-                          "--max-grad-norm)")
-    if args.dp_delta is not None and not 0 < args.dp_delta < 1:
-        raise ConfigError(f"--dp-delta must be in (0, 1), got {args.dp_delta:g}")
-    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
-        raise ConfigError(f"--max-grad-norm must be > 0, got {args.max_grad_norm:g}")
+    if args.dp_epsilon is not None and args.clip_grad_norm is not None:
+        raise ConfigError("--clip-grad-norm does not apply to DP-SGD, which clips each example "
+                          "to --max-grad-norm")
     if args.keep_checkpoints and args.dp_epsilon is None:
         raise ConfigError("--keep-checkpoints is for DP-SGD runs (--dp-epsilon); other runs "
                           "always keep their checkpoints")
+    if args.swag_samples < 1:
+        raise ConfigError(f"--swag-samples must be >= 1, got {args.swag_samples}")
+    _check_swap(args)
 
 
-def _in_memory_loader(stream: object, batch_size: int, world: Any) -> torch.utils.data.DataLoader:
+def _check_swap(args: argparse.Namespace) -> None:
+    if args.swap_phase2_epochs is None:
+        if (args.swap_batch_size, args.swap_lr) != (None, None):
+            raise ConfigError("--swap-batch-size and --swap-lr need --swap-phase2-epochs")
+        return
+    if args.swap_phase2_epochs < 1:
+        raise ConfigError(f"--swap-phase2-epochs must be >= 1, got {args.swap_phase2_epochs}")
+    if args.swap_batch_size is not None and args.swap_batch_size < 1:
+        raise ConfigError(f"--swap-batch-size must be >= 1, got {args.swap_batch_size}")
+    if args.swap_lr is not None and not args.swap_lr > 0:
+        raise ConfigError(f"--swap-lr must be > 0, got {args.swap_lr}")
+    if args.swap_bn_batches < 1:
+        raise ConfigError(f"--swap-bn-batches must be >= 1, got {args.swap_bn_batches}")
+    if args.swa_start is not None or args.dp_epsilon is not None:
+        raise ConfigError("--swap-phase2-epochs cannot be combined with --swa-start or DP-SGD")
+
+
+def _configs(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The TrainConfig and PrivacyConfig (None without DP-SGD) the flags describe."""
+    from ember.train.config import (
+        CheckpointConfig,
+        EMAConfig,
+        LogConfig,
+        StepConfig,
+        SWAConfig,
+        SWAGConfig,
+        TrainConfig,
+    )
+    from ember.train.privacy_config import PrivacyConfig
+
+    groups: dict[str, dict[str, Any]] = {g: {} for g in ("", "step", "schedule", "swa", "swag",
+                                                         "ema", "checkpoint", "privacy")}
+    for opt in config_options():
+        value = getattr(args, _dest(opt))
+        if value is not None:
+            groups[opt.group][opt.field] = value
+    swa = groups["swa"]
+    if swa:
+        swa.setdefault("lr", args.lr / 2)
+    config = TrainConfig(
+        epochs=args.epochs, seed=None if args.seed == -1 else args.seed,
+        step=StepConfig(**groups["step"]), swa=SWAConfig(**swa) if swa else None,
+        swag=SWAGConfig(**groups["swag"]) if groups["swag"] else None,
+        ema=EMAConfig(**groups["ema"]) if groups["ema"] else None,
+        checkpoint=CheckpointConfig(dir=args.out / "checkpoints", every=args.checkpoint_every,
+                                    resume=args.resume),
+        log=LogConfig(metrics_path=args.out / "metrics.jsonl", progress=not args.no_progress))
+    config.check()
+    privacy = PrivacyConfig(**groups["privacy"]) if groups["privacy"] else None
+    if privacy is not None:
+        privacy.check()
+    return config, privacy
+
+
+def _in_memory_loader(stream: Any, batch_size: int, world: Any) -> torch.utils.data.DataLoader:
     """The whole training stream as a map-style DataLoader: DP-SGD's Poisson sampling picks
     examples by index, so the shards are read into memory once (by every rank, which samples
     its share; --batch-size stays per process)."""
     import torch
 
     xs, ys = [], []
-    for x, y in stream:  # type: ignore[attr-defined]
+    for x, y in stream:
         xs.append(x)
         ys.append(y)
     if not xs:
         raise ConfigError("--data holds no samples")
     data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
-    sampler = torch.utils.data.DistributedSampler(data, world.size, world.rank, shuffle=False) \
+    sampler: Any = torch.utils.data.DistributedSampler(data, world.size, world.rank,
+                                                       shuffle=False) \
         if world.distributed else None
     return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler)
 
 
 def _swap_phases(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: object, test: object, world: object) -> dict:
+                 loss_fn: Any, test: Any, world: Any) -> dict:
     """SWAP's phases 2 and 3 after fit's DDP phase: each rank refines alone over all the data
     in its own shuffle, then the weights are averaged and BatchNorm recomputed."""
     from ember.train.checkpoint import weights_digest
@@ -468,11 +587,12 @@ class _OutGuard:
             checkpoint = self.out / "checkpoints" / "last.pt"
             if self.aside is not None or (self.fresh and not checkpoint.exists()):
                 for name in _RUN_FILES:  # this run's files: nothing of them is worth keeping
-                    _persist(lambda n=name: (self.out / n).unlink(missing_ok=True))
-                    _persist(lambda n=name: (self.out / (n + ".writing")).unlink(missing_ok=True))
+                    _persist(functools.partial((self.out / name).unlink, missing_ok=True))
+                    _persist(functools.partial((self.out / (name + ".writing")).unlink,
+                                               missing_ok=True))
             if self.aside is not None:
                 for name in self.moved:
-                    _persist(lambda n=name: os.replace(self.aside / n, self.out / n))
+                    _persist(functools.partial(os.replace, self.aside / name, self.out / name))
                 import shutil
 
                 shutil.rmtree(self.aside, ignore_errors=True)
@@ -528,8 +648,8 @@ def _prepare_out(out: Path, resume: str | None, force: bool) -> _OutGuard:
     existing = [name for name in _RUN_FILES if (out / name).exists()]
     if existing and resume is None and not force:
         raise ConfigError(f"--out {out} already holds a run ({', '.join(existing)}); pass "
-                          "--resume auto to continue it, --force to replace it, or another "
-                          "--out")
+                          "--resume auto to continue it (a finished run only with a larger "
+                          "--epochs), --force to replace it, or another --out")
     guard = _OutGuard(out, fresh=resume is None, main=_is_main_rank())
     try:
         for folder in (out, out / "checkpoints"):
@@ -606,7 +726,7 @@ def _batches_per_epoch(urls: list[str], batch_size: int, workers: int, skip_bad:
     return -(-total // batch_size)
 
 
-def _per_class_accuracy(model: nn.Module, loader: object, names: list[str]) -> dict[str, float]:
+def _per_class_accuracy(model: nn.Module, loader: Any, names: list[str]) -> dict[str, float]:
     from ember.train.loop import predict
 
     probs, targets = predict(model, loader)
@@ -709,14 +829,16 @@ def run(args: argparse.Namespace) -> int:
     args.image_size = _image_size(args.image_size)
     if args.image_size is not None:  # before any image is resized to it
         _check_batch_bytes(args, (1 if args.grayscale else 3, *args.image_size))
+    config, privacy = _configs(args)
     urls = check_shards(args.data, "--data")
     if args.eval_data:
         check_shards(args.eval_data, "--eval-data")
     names = _class_names(args)
+    previous = _check_existing_run(args, privacy is not None)
     guard = _prepare_out(args.out, args.resume, args.force)
     try:
         with _signals_as_interrupts():
-            status = _train(args, urls, names)
+            status = _train(args, urls, names, config, privacy, previous)
     except (KeyboardInterrupt, _Terminated) as exc:
         guard.failed()
         code = 128 + exc.signum if isinstance(exc, _Terminated) else 130
@@ -726,6 +848,43 @@ def run(args: argparse.Namespace) -> int:
         raise
     guard.succeeded()
     return status
+
+
+def _previous_summary(out: Path) -> dict[str, Any] | None:
+    """The summary.json of the run in ``out``, if there is a readable one."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def _check_existing_run(args: argparse.Namespace, private: bool) -> dict[str, Any] | None:
+    """A finished run in --out is continued only when asked for more epochs, and a private one
+    only from its checkpoint (its accountant composes every step; it is never restarted).
+    Returns the earlier run's summary (None if there is none)."""
+    summary = _previous_summary(args.out)
+    if summary is None or args.resume is None:
+        return summary
+    done = int(summary.get("epochs_done", summary.get("epochs", 0)) or 0)
+    if not summary.get("finished", True):
+        return summary
+    if args.epochs <= done:
+        raise ConfigError(f"--resume {args.resume}: the run in {args.out} already finished "
+                          f"{done} of --epochs {done}; pass a larger --epochs to train on, "
+                          "--force to replace it, or another --out")
+    checkpoint = args.out / "checkpoints" / "last.pt"
+    if args.resume == "auto" and not checkpoint.exists():
+        was_private = summary.get("privacy") is not None
+        why = ("its checkpoint, which held the DP noise key, was removed: continuing would "
+               "restart its privacy accountant" if was_private else "its checkpoint is gone")
+        raise ConfigError(f"--resume auto: the run in {args.out} finished {done} epochs and "
+                          f"{why}; start a new run in another --out"
+                          + (f" (its epsilon adds to the {summary['privacy']['epsilon']:.4g} "
+                             "already spent on this data)" if was_private else "")
+                          + (", and pass --keep-checkpoints to DP-SGD runs you mean to continue"
+                             if was_private else ""))
+    return summary
 
 
 class _Terminated(BaseException):
@@ -778,56 +937,104 @@ def _interrupted_message(out: Path, restored: bool, checkpoint: Path | None = No
     return "ember train: interrupted before its first checkpoint; nothing to resume"
 
 
-def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None) -> int:
+def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None, config: Any,
+           privacy: Any, previous: dict[str, Any] | None) -> int:
     """The run after its options, data locations and --out were checked."""
     import torch
-    from torch import nn
 
-    from ember.train.data import image_class_loader, peek_image_shape
-    from ember.train.distributed import all_gather_objects, init_from_env
-    from ember.train.loop import TrainConfig, fit
-
-    config = TrainConfig(
-        epochs=args.epochs, precision=args.precision, accumulate=args.accumulate,
-        max_grad_norm=args.clip_grad_norm, swa_start=args.swa_start,
-        swa_lr=(args.swa_lr if args.swa_lr is not None else args.lr / 2)
-        if args.swa_start is not None else args.swa_lr,
-        swa_anneal_epochs=1 if args.swa_anneal_epochs is None else args.swa_anneal_epochs,
-        swag_rank=args.swag_rank or None,
-        seed=None if args.seed == -1 else args.seed,
-        checkpoint_dir=args.out / "checkpoints", checkpoint_every=args.checkpoint_every,
-        resume=args.resume, metrics_path=args.out / "metrics.jsonl", progress=not args.no_progress)
-    config.check()
-    privacy = None
-    if args.dp_epsilon is not None:
-        from ember.train.privacy import PrivacyConfig
-
-        privacy = PrivacyConfig(epsilon=args.dp_epsilon, delta=args.dp_delta,
-                                max_grad_norm=args.max_grad_norm, accountant=args.dp_accountant or "rdp")
-        privacy.check()
+    from ember.train.distributed import init_from_env, shutdown
 
     world = init_from_env()  # before building loaders, so each rank reads its own shards
-    if args.swap_phase2_epochs is not None and not world.distributed:
-        raise ConfigError("SWAP (--swap-phase2-epochs) needs at least 2 processes, got a world "
-                          "size of 1: run under torchrun --nproc_per_node=N with N >= 2")
-    torch.manual_seed(max(args.seed, 0))  # the same initial weights on every rank
+    try:
+        if args.swap_phase2_epochs is not None and not world.distributed:
+            raise ConfigError("SWAP (--swap-phase2-epochs) needs at least 2 processes, got a "
+                              "world size of 1: run under torchrun --nproc_per_node=N with N >= 2")
+        torch.manual_seed(max(args.seed, 0))  # the same initial weights on every rank
+        model = _build_model(args, world)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                    weight_decay=args.weight_decay)
+        skips = _skip_log(args)
+        train, test = _loaders(args, urls, world, privacy, skips)
+        result, swap_record, streams = _fit(args, model, optimizer, train, test, config,
+                                            privacy, world)
+    finally:
+        shutdown(world)
+    if world.is_main:
+        _write_outputs(args, result, names, test, swap_record, streams, skips, previous,
+                       privacy)
+    return 0
+
+
+def _build_model(args: argparse.Namespace, world: Any) -> nn.Module:
+    """The model for the images' shape (``--image-size``, or the first image's, said so)."""
+    from ember.train.data import peek_image_shape
+
     shape = peek_image_shape(args.data, grayscale=args.grayscale, image_size=args.image_size,
                              skip_bad=args.skip_bad)
     if args.image_size is None:  # the first image's size: images of other sizes are fitted to it
+        how = "the first image's size"
         if max(shape[1:]) > _DEFAULT_MAX_SIDE:
-            side = _DEFAULT_MAX_SIDE
-            if world.is_main:
-                print(f"the first image is {shape[1]}x{shape[2]}: training on {side}x{side} "
-                      f"(each image scaled and center-cropped; --image-size sets another size)",
-                      flush=True)
-            shape = (shape[0], side, side)
+            how = (f"the first image is {shape[1]}x{shape[2]}, larger than "
+                   f"{_DEFAULT_MAX_SIDE}: each image is scaled and center-cropped")
+            shape = (shape[0], _DEFAULT_MAX_SIDE, _DEFAULT_MAX_SIDE)
+        if world.is_main:
+            print(f"training on {shape[1]}x{shape[2]} images ({how}; --image-size sets another "
+                  "size)", flush=True)
         args.image_size = tuple(shape[1:])
     _check_model_size(args, shape)
     model = build_model(args.model, shape, args.num_classes, args.hidden)
     if args.resume is not None:
         _check_resume(args, model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+    return model
+
+
+def _skip_log(args: argparse.Namespace) -> Any:
+    """Under --skip-bad, where each skipped shard rest or sample is noted (rank 0's file)."""
+    from ember.train.data import SkipLog
+
+    if not args.skip_bad:
+        return None
+    path = args.out / f".skipped-{os.getpid()}.jsonl"
+    path.unlink(missing_ok=True)
+    return SkipLog(path)
+
+
+def _loaders(args: argparse.Namespace, urls: list[str], world: Any, privacy: Any,
+             skips: Any) -> tuple[Any, Any]:
+    """The training loader (shards streamed, Ray-read, or in memory for DP-SGD's Poisson
+    sampling) and the evaluation loader (None without --eval-data)."""
+    from ember.train.data import image_class_loader
+
+    skip = skips or False
+    _fit_workers(args, urls, world)
+    # torch says the same in several lines, once per DataLoader
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    if privacy is not None and args.ray_address is not None:
+        raise ConfigError("--ray-address cannot be combined with --dp-epsilon: DP-SGD samples "
+                          "every batch from all examples held in memory")
+    train: Any
+    if privacy is not None:  # all of --data on every rank, in shard order
+        train = _in_memory_loader(image_class_loader(
+            args.data, args.batch_size, shuffle=0, grayscale=args.grayscale,
+            num_workers=args.workers, split_ranks=False, image_size=args.image_size,
+            skip_bad=skip, num_classes=args.num_classes), args.batch_size, world)
+    else:
+        train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
+                                   shuffle=args.shuffle_buffer, grayscale=args.grayscale,
+                                   num_workers=args.workers, ray_address=args.ray_address,
+                                   image_size=args.image_size, skip_bad=skip,
+                                   num_classes=args.num_classes)
+        train = _with_length_or_cluster(args, urls, train)
+    test = None
+    if args.eval_data:
+        test = image_class_loader(args.eval_data, 256, shuffle=0, grayscale=args.grayscale,
+                                  split_ranks=False, image_size=args.image_size,
+                                  skip_bad=skip, num_classes=args.num_classes)
+    return train, test
+
+
+def _fit_workers(args: argparse.Namespace, urls: list[str], world: Any) -> None:
+    """Fewer workers than asked where there are too few shards (each reads whole shards)."""
     if args.workers > 1 and args.ray_address is None and len(urls) < world.size * args.workers:
         workers = max(1, len(urls) // world.size)
         if world.is_main:
@@ -839,125 +1046,199 @@ def _train(args: argparse.Namespace, urls: list[str], names: list[str] | None) -
     if args.workers > cpus and world.is_main:
         print(f"--workers {args.workers} is more than the {cpus} CPUs here: more workers than "
               "CPUs only help when reading waits on the network", flush=True)
-    # torch says the same in several lines, once per DataLoader
-    warnings.filterwarnings("ignore", message="This DataLoader will create")
-    if privacy is None:
-        train = image_class_loader(args.data, args.batch_size, seed=max(args.seed, 0),
-                                   shuffle=args.shuffle_buffer, grayscale=args.grayscale,
-                                   num_workers=args.workers, ray_address=args.ray_address,
-                                   image_size=args.image_size, skip_bad=args.skip_bad,
-                                   num_classes=args.num_classes)
-        if args.ray_address is not None:
-            try:
-                train.connect()
-            except (ImportError, ConnectionError) as exc:
-                raise ConfigError(f"--ray-address: {exc}") from None
-        elif not args.no_progress:
-            batches = _batches_per_epoch(urls, args.batch_size, args.workers, args.skip_bad)
-            if batches is not None:  # the progress bar's total
-                train = train.with_length(batches)
-    elif args.ray_address is not None:
-        raise ConfigError("--ray-address cannot be combined with --dp-epsilon: DP-SGD samples "
-                          "every batch from all examples held in memory")
-    else:  # all of --data on every rank, in shard order
-        train = _in_memory_loader(image_class_loader(
-            args.data, args.batch_size, shuffle=0, grayscale=args.grayscale,
-            num_workers=args.workers, split_ranks=False, image_size=args.image_size,
-            skip_bad=args.skip_bad, num_classes=args.num_classes), args.batch_size, world)
-    test = None
-    if args.eval_data:
-        test = image_class_loader(args.eval_data, 256, shuffle=0, grayscale=args.grayscale,
-                                  split_ranks=False, image_size=args.image_size,
-                                  skip_bad=args.skip_bad, num_classes=args.num_classes)
 
-    nonfinite = [0]  # consecutive steps with a non-finite loss
 
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= args.num_classes):
-            raise ConfigError(f"a .cls label is outside [0, --num-classes={args.num_classes}): "
+def _with_length_or_cluster(args: argparse.Namespace, urls: list[str], train: Any) -> Any:
+    if args.ray_address is not None:
+        try:
+            train.connect()
+        except (ImportError, ConnectionError) as exc:
+            raise ConfigError(f"--ray-address: {exc}") from None
+    elif not args.no_progress:
+        batches = _batches_per_epoch(urls, args.batch_size, args.workers, args.skip_bad)
+        if batches is not None:  # the progress bar's total
+            train = train.with_length(batches)
+    return train
+
+
+class _LabelCheckedLoss:
+    """Cross-entropy that refuses labels outside [0, --num-classes) and stops a run whose loss
+    stays non-finite (fp16's scaler skips overflowing steps by itself: only when it persists)."""
+
+    def __init__(self, num_classes: int, precision: str) -> None:
+        self.num_classes, self.precision = num_classes, precision
+        self.nonfinite = 0  # consecutive steps with a non-finite loss
+
+    def __call__(self, logits: Any, target: Any) -> Any:
+        import torch
+        from torch import nn
+
+        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= self.num_classes):
+            raise ConfigError(f"a .cls label is outside [0, --num-classes={self.num_classes}): "
                               f"got labels in [{int(target.min())}, {int(target.max())}]")
         loss = nn.functional.cross_entropy(logits, target)
         if bool(torch.isfinite(loss.detach())):
-            nonfinite[0] = 0
+            self.nonfinite = 0
         else:
-            nonfinite[0] += 1
-            # fp16's loss scaler skips overflowing steps by itself: stop only when it persists
-            if args.precision != "fp16" or nonfinite[0] >= 20:
+            self.nonfinite += 1
+            if self.precision != "fp16" or self.nonfinite >= 20:
                 raise _Diverged()
         return loss
 
+
+class _EpsilonPrinter:
+    """A callback printing each epoch's epsilon (rank 0)."""
+
+    def __init__(self, epochs: int, main: bool) -> None:
+        self.epochs, self.main = epochs, main
+
+    def on_epoch_end(self, epoch: int, record: dict) -> None:
+        if self.main and "epsilon" in record:
+            print(f"epoch {epoch + 1}/{self.epochs}: epsilon {record['epsilon']:.4f} "
+                  f"(delta {record['dp_delta']:g}, {record['dp_steps']} steps)", flush=True)
+
+
+def _fit(args: argparse.Namespace, model: nn.Module, optimizer: Any, train: Any, test: Any,
+         config: Any, privacy: Any, world: Any) -> tuple[Any, Any, list[str]]:
+    """fit, with its failures in the command's terms; then SWAP's phases if asked."""
+    from ember.train.distributed import all_gather_objects
+    from ember.train.loop import fit
+    from ember.train.privacy import EpsilonTooLowError
+
+    loss_fn = _LabelCheckedLoss(args.num_classes, args.precision)
     try:
-        def on_epoch(epoch: int, record: dict) -> None:
-            if world.is_main and "epsilon" in record:
-                print(f"epoch {epoch + 1}/{args.epochs}: epsilon {record['epsilon']:.4f} "
-                      f"(delta {record['dp_delta']:g}, {record['dp_steps']} steps)", flush=True)
+        result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test,
+                     privacy=privacy, callbacks=[_EpsilonPrinter(args.epochs, world.is_main)])
+    except _Diverged:
+        last = args.out / "checkpoints" / "last.pt"
+        kept = f"; the last checkpoint before it is {last}" if last.exists() else ""
+        raise ConfigError(f"the training loss became inf or nan (--lr {args.lr:g} is too "
+                          f"large for this model and data, or the data hold extreme values); "
+                          f"lower --lr{kept}") from None
+    except EpsilonTooLowError as exc:
+        raise ConfigError(f"--dp-epsilon {args.dp_epsilon:g} is too low: with --dp-delta "
+                          f"{args.dp_delta:g} over {exc.steps} steps (--epochs {args.epochs} "
+                          f"at sample rate {exc.sample_rate:.4g}) no noise multiplier "
+                          f"reaches it; raise --dp-epsilon or --dp-delta, or lower "
+                          f"--epochs") from None
+    swap_record = _swap_phases(args, result.model, optimizer, loss_fn, test, world) \
+        if args.swap_phase2_epochs is not None else None
+    streams = all_gather_objects(
+        hashlib.sha256(bytes(result.generator.get_state().numpy())).hexdigest()[:16], world)
+    return result, swap_record, streams
 
-        from ember.train.privacy import EpsilonTooLowError
 
-        try:
-            result = fit(model, optimizer, train, config, loss_fn=loss_fn, eval_loader=test,
-                         privacy=privacy, on_epoch=on_epoch)
-        except _Diverged:
-            last = args.out / "checkpoints" / "last.pt"
-            kept = f"; the last checkpoint before it is {last}" if last.exists() else ""
-            raise ConfigError(f"the training loss became inf or nan (--lr {args.lr:g} is too "
-                              f"large for this model and data, or the data hold extreme values); "
-                              f"lower --lr{kept}") from None
-        except EpsilonTooLowError as exc:
-            raise ConfigError(f"--dp-epsilon {args.dp_epsilon:g} is too low: with --dp-delta "
-                              f"{args.dp_delta:g} over {exc.steps} steps (--epochs {args.epochs} "
-                              f"at sample rate {exc.sample_rate:.4g}) no noise multiplier "
-                              f"reaches it; raise --dp-epsilon or --dp-delta, or lower "
-                              f"--epochs") from None
-        swap_record = _swap_phases(args, result.model, optimizer, loss_fn, test, world) \
-            if args.swap_phase2_epochs is not None else None
-        streams = all_gather_objects(
-            hashlib.sha256(bytes(result.generator.get_state().numpy())).hexdigest()[:16], world)
-    finally:
-        from ember.train.distributed import shutdown
+def _swag_summary(args: argparse.Namespace, result: Any, test: Any) -> dict[str, Any]:
+    """Save the SWAG posterior (swag.pt) and, with --eval-data, its Bayesian model average's
+    accuracy and NLL over --swag-samples samples."""
+    import copy
 
-        shutdown(world)
-    if world.is_main:
-        args.out.mkdir(parents=True, exist_ok=True)
-        torch.save(result.model.state_dict(), args.out / "model.pt")
-        if result.swa is not None:
-            torch.save(result.swa.module.state_dict(), args.out / "swa.pt")
-        skipped = sum(r.get("data_errors", 0) for r in result.history)
-        skipped_eval = result.history[-1].get("eval_data_errors", 0) if result.history else 0
-        summary = {"steps": result.steps, "skipped_steps": result.skipped_steps,
-                   "dropped_microbatches": result.dropped_microbatches,
-                   "world_size": result.world_size, "rank_digests": result.rank_digests,
-                   "ranks_in_sync": len(set(result.rank_digests)) == 1,
-                   "rank_streams": streams, "history": result.history,
-                   "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
-                   "privacy": result.privacy,
-                   "image_size": list(args.image_size), "classes": names,
-                   "skipped_bad": skipped, "skipped_bad_eval": skipped_eval}
-        per_class = None
-        if test is not None and names is not None:
-            per_class = _per_class_accuracy(result.model, test, names)
-            summary["eval_accuracy_per_class"] = per_class
-        if swap_record is not None:
-            summary["swap"] = swap_record
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        last = result.history[-1] if result.history else {}
-        print(f"trained {result.steps} steps on {result.world_size} process(es); final train loss "
-              f"{last.get('train_loss', float('nan')):.4f}"
-              + (" (not covered by epsilon)" if privacy is not None else "")
-              + (f", test accuracy {last['eval_accuracy']:.4f}" if "eval_accuracy" in last else ""))
-        if names is not None:
-            print(f"classes: {', '.join(f'{i}={n}' for i, n in enumerate(names))}")
-        if per_class:
-            print("test accuracy per class: "
-                  + ", ".join(f"{n} {a:.4f}" for n, a in per_class.items()))
-        if args.skip_bad:
-            print(f"skipped {skipped} bad shards/samples in training"
-                  + (f" and {skipped_eval} in each pass over --eval-data" if args.eval_data else "")
-                  + " (--skip-bad)")
-        if swap_record is not None and "eval_accuracy" in swap_record:
-            print(f"SWAP average of {result.world_size} ranks: test accuracy "
-                  f"{swap_record['eval_accuracy']:.4f}")
-        if privacy is not None:
-            _dispose_private_checkpoint(result.checkpoint, args.keep_checkpoints)
-        print(f"outputs in {args.out}")
-    return 0
+    import torch
+
+    from ember.swa import accuracy, bayesian_average, nll
+    from ember.train.inference import predict
+
+    swag = result.swag
+    torch.save(swag.state_dict(), args.out / "swag.pt")
+    out: dict[str, Any] = {"rank": swag.max_rank, "collected": swag.n_collected}
+    if test is None or swag.n_collected < 2:
+        return out
+    _, targets = predict(result.model, test)
+    generator = torch.Generator().manual_seed(max(args.seed, 0))
+    probs = bayesian_average(copy.deepcopy(result.model), swag, test, args.swag_samples,
+                             generator=generator, forward=lambda m, batch: m(batch[0]))
+    out.update({"samples": args.swag_samples, "eval_accuracy": accuracy(probs, targets),
+                "eval_nll": nll(probs, targets)})
+    return out
+
+
+def _write_outputs(args: argparse.Namespace, result: Any, names: list[str] | None, test: Any,
+                   swap_record: Any, streams: list[str], skips: Any,
+                   previous: dict[str, Any] | None, privacy: Any) -> None:
+    """model.pt, swa.pt, swag.pt, summary.json and the closing lines (rank 0)."""
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(result.model.state_dict(), args.out / "model.pt")
+    if result.swa is not None:
+        torch.save(result.swa.module.state_dict(), args.out / "swa.pt")
+    if result.ema is not None:
+        torch.save(result.ema.module.state_dict(), args.out / "ema.pt")
+    summary = _summary(args, result, names, streams, skips)
+    if result.swag is not None:
+        summary["swag"] = _swag_summary(args, result, test)
+    if test is not None and names is not None:
+        summary["eval_accuracy_per_class"] = _per_class_accuracy(result.model, test, names)
+    if swap_record is not None:
+        summary["swap"] = swap_record
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_closing(args, result, summary, names, privacy, previous)
+    if privacy is not None:
+        _dispose_private_checkpoint(result.checkpoint, args.keep_checkpoints)
+    print(f"outputs in {args.out}")
+
+
+def _summary(args: argparse.Namespace, result: Any, names: list[str] | None,
+             streams: list[str], skips: Any) -> dict[str, Any]:
+    skipped = sum(r.get("data_errors", 0) for r in result.history)
+    skipped_eval = result.history[-1].get("eval_data_errors", 0) if result.history else 0
+    summary = {"steps": result.steps, "skipped_steps": result.skipped_steps,
+               "empty_steps": result.empty_steps,
+               "dropped_microbatches": result.dropped_microbatches,
+               "world_size": result.world_size, "rank_digests": result.rank_digests,
+               "ranks_in_sync": len(set(result.rank_digests)) == 1,
+               "rank_streams": streams, "history": result.history,
+               "epochs": args.epochs, "epochs_done": len(result.history) and
+               result.history[-1]["epoch"] + 1, "finished": True,
+               "stopped_early": result.stopped_early, "data": args.data,
+               "epsilon": result.epsilon, "noise_multiplier": result.noise_multiplier,
+               "privacy": result.privacy,
+               "image_size": list(args.image_size), "classes": names,
+               "skipped_bad": skipped, "skipped_bad_eval": skipped_eval}
+    if skips is not None:
+        summary["skipped_bad_items"] = skips.read()
+        Path(skips.path).unlink(missing_ok=True)
+    return summary
+
+
+def _print_closing(args: argparse.Namespace, result: Any, summary: dict[str, Any],
+                   names: list[str] | None, privacy: Any, previous: dict[str, Any] | None) -> None:
+    last = result.history[-1] if result.history else {}
+    loss = last.get("train_loss")
+    print(f"trained {result.steps} steps on {result.world_size} process(es); final train loss "
+          f"{float('nan') if loss is None else loss:.4f}"
+          + (" (not covered by epsilon)" if privacy is not None else "")
+          + (f", test accuracy {last['eval_accuracy']:.4f}" if "eval_accuracy" in last else ""))
+    if names is not None:
+        print(f"classes: {', '.join(f'{i}={n}' for i, n in enumerate(names))}")
+    per_class = summary.get("eval_accuracy_per_class")
+    if per_class:
+        print("test accuracy per class: "
+              + ", ".join(f"{n} {a:.4f}" for n, a in per_class.items()))
+    if "eval_accuracy" in summary.get("swag", {}):
+        print(f"SWAG ({summary['swag']['samples']} samples): test accuracy "
+              f"{summary['swag']['eval_accuracy']:.4f}, NLL {summary['swag']['eval_nll']:.4f}")
+    if args.skip_bad:
+        _print_skipped(args, summary)
+    swap_record = summary.get("swap")
+    if swap_record is not None and "eval_accuracy" in swap_record:
+        print(f"SWAP average of {result.world_size} ranks: test accuracy "
+              f"{swap_record['eval_accuracy']:.4f}")
+    if privacy is not None and previous is not None and previous.get("privacy") \
+            and args.resume is None and previous.get("data") == args.data:
+        print(f"note: the run this one replaced in {args.out} spent epsilon "
+              f"{previous['privacy']['epsilon']:.4g} on the same --data; privacy budgets of runs "
+              "on the same data add up")
+
+
+def _print_skipped(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    print(f"skipped {summary['skipped_bad']} bad shards/samples in training"
+          + (f" and {summary['skipped_bad_eval']} in each pass over --eval-data"
+             if args.eval_data else "") + " (--skip-bad)")
+    seen = set()
+    for item in summary.get("skipped_bad_items", []):
+        where = " ".join(str(v) for v in (item.get("shard"), item.get("key")) if v)
+        line = f"  skipped {where or 'a sample'}: {item.get('cause')}"
+        if line not in seen:  # each pass over the data skips it again
+            seen.add(line)
+            print(line)

@@ -67,7 +67,7 @@ def resize_center_crop(image: Any, size: tuple[int, int]) -> Any:
     else:
         nh, nw = max(th, int(tw * h / w)), tw
     if (nh, nw) != (h, w):
-        image = image.resize((nw, nh), Image.BILINEAR)
+        image = image.resize((nw, nh), Image.Resampling.BILINEAR)
     top = int(round((nh - th) / 2.0))
     left = int(round((nw - tw) / 2.0))
     return image.crop((left, top, left + tw, top + th))
@@ -206,16 +206,46 @@ def check_shards(urls: str | Sequence[str], what: str = "--data") -> list[str]:
     return expanded
 
 
+class SkipLog:
+    """A ``skip_bad`` that also names what it skips: each skipped shard rest or sample becomes
+    one JSON line ``{"shard", "key", "offset", "cause"}`` appended to ``path`` (whole lines, so
+    DataLoader worker processes can share the file)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+
+    def __call__(self, exc: Exception) -> bool:
+        record = {"shard": getattr(exc, "url", None), "key": getattr(exc, "key", None),
+                  "offset": getattr(exc, "offset", None),
+                  "cause": " ".join(str(exc).split())[:500]}
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+        return True  # skip it
+
+    def read(self) -> list[dict[str, Any]]:
+        """What was skipped so far, in the order it was noted."""
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
 def _dataset(urls: Sequence[str], *, seed: int, shuffle: int, grayscale: bool,
              rank: int | None, world_size: int | None, equalize: str | None,
              generator: torch.Generator | None, image_size: tuple[int, int] | None = None,
-             skip_bad: bool = False, num_classes: int | None = None) -> ShardDataset:
+             skip_bad: bool | SkipLog = False, num_classes: int | None = None) -> ShardDataset:
     # skip_bad: a bad shard's rest (on_error) and a bad sample (the stages' handler) are skipped
-    # and counted in error_count
-    handler = ignore_and_continue if skip_bad else None
+    # and counted in error_count (and noted by a SkipLog)
+    handler: Any = (skip_bad if isinstance(skip_bad, SkipLog) else ignore_and_continue) \
+        if skip_bad else None
+    on_error: Any = skip_bad if isinstance(skip_bad, SkipLog) else ("skip" if skip_bad
+                                                                    else "raise")
     ds = ShardDataset(list(urls), seed=seed, shuffle_shards=shuffle > 0, rank=rank,
                       world_size=world_size, equalize=equalize, generator=generator,
-                      on_error="skip" if skip_bad else "raise")
+                      on_error=on_error)
     if shuffle > 0:
         ds = ds.shuffle(shuffle)
     return (ds.decode("pill" if grayscale else "pil", handler=handler)
@@ -226,8 +256,9 @@ def image_class_loader(urls: str | Sequence[str], batch_size: int, *, seed: int 
                        shuffle: int = 1000, grayscale: bool = False, num_workers: int = 0,
                        split_ranks: bool = True, generator: torch.Generator | None = None,
                        ray_address: str | None = None,
-                       image_size: int | tuple[int, int] | None = None, skip_bad: bool = False,
-                       num_classes: int | None = None) -> ShardLoader | RayShardLoader:
+                       image_size: int | tuple[int, int] | None = None,
+                       skip_bad: bool | SkipLog = False, num_classes: int | None = None
+                       ) -> ShardLoader | RayShardLoader:
     """A resumable loader of ``(images, labels)`` batches from image + cls shards.
 
     ``image_size`` (an int or ``(height, width)``) resizes every image, aspect kept, until it
@@ -269,7 +300,7 @@ def _world_size() -> int:
 
 def peek_image_shape(urls: str | Sequence[str], grayscale: bool = False, *,
                      image_size: int | tuple[int, int] | None = None,
-                     skip_bad: bool = False) -> tuple[int, ...]:
+                     skip_bad: bool | SkipLog = False) -> tuple[int, ...]:
     """The ``(channels, height, width)`` of the first image (after ``image_size``'s resize)."""
     size = image_size_arg(image_size)
     expanded = check_shards(urls)
