@@ -35,6 +35,9 @@ class StepConfig:
                              "is divided by it)", maximum=2**20)
     max_grad_norm: float | None = option(None, Rule.POSITIVE, "clip the total gradient norm to "
                                          "this (after fp16 unscaling)", flag="--clip-grad-norm")
+    max_grad_value: float | None = option(None, Rule.POSITIVE, "clamp every gradient element to "
+                                          "[-this, this] (after fp16 unscaling, before norm "
+                                          "clipping)", flag="--clip-grad-value")
 
     def check(self) -> None:
         check_fields(self)

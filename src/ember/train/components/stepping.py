@@ -85,6 +85,8 @@ class Stepping(Component):
         optimizer, scaler = run.optimizer, self.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
+        if self.config.max_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(run.model.parameters(), self.config.max_grad_value)
         grad_norm = None
         if self.config.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(),
