@@ -41,3 +41,14 @@ def test_a_bad_value_and_the_flag():
     from ember.train.cli import config_options
 
     assert "--clip-grad-value" in {o.flag for o in config_options()}
+
+
+def test_private_training_refuses_it():
+    pytest.importorskip("opacus")
+    from ember.train import PrivacyConfig
+
+    model, opt, loader = _setup()
+    with pytest.raises(ConfigError, match="per example"):
+        fit(model, opt, loader, TrainConfig(1, step=StepConfig(max_grad_value=0.1),
+                                            log=LogConfig(progress=False)),
+            privacy=PrivacyConfig(noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0))

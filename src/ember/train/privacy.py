@@ -574,9 +574,9 @@ def check_combination(config: Any, world: Any) -> None:
         raise ConfigError("privacy does not support accumulate > 1: Poisson-sampled batches are "
                           "the unit the accountant counts (use PrivacyConfig("
                           "max_physical_batch_size=...) to bound memory)")
-    if config.max_grad_norm is not None:
+    if config.max_grad_norm is not None or config.max_grad_value is not None:
         raise ConfigError("with privacy, clipping is per example: set PrivacyConfig.max_grad_norm "
-                          "and leave TrainConfig.max_grad_norm None")
+                          "and leave TrainConfig.max_grad_norm and max_grad_value None")
     if config.checkpoint_every is not None:
         raise ConfigError("privacy checkpoints at epoch ends only (checkpoint_every is not "
                           "supported: the Poisson sampler cannot resume mid-epoch)")
