@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_cli_review import _args, _png, _shard
+from test_cli_failures_and_limits import _args, _png, _shard
 from test_cli_user_data import ember, one_error_line, snapshot
 
 pytest.importorskip("opacus")

@@ -1,4 +1,4 @@
-"""``ember train`` on a user's own data through the ``ember`` entry point (issue 26): images of
+"""``ember train`` on a user's own data through the ``ember`` entry point: images of
 different sizes and modes train; bad data, bad options and an existing run end with one line
 ``ember train: error: ...`` and exit status 2, and nothing is overwritten. Shards are written by
 the ``webdataset`` package and by GNU tar. The README's flow and one case of each kind run the

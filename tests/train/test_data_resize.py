@@ -1,4 +1,4 @@
-"""``resize_center_crop`` and ``image_class_loader(image_size=...)`` (issue 26): torchvision's
+"""``resize_center_crop`` and ``image_class_loader(image_size=...)``: torchvision's
 ``Resize(s)`` + ``CenterCrop(s)`` on PIL images, written out from torchvision's documented rule
 (the shorter side becomes ``s``, the longer ``int(s * long / short)``; the crop's top-left corner
 is ``round((size - s) / 2)``), compared with torchvision itself where it is installed."""

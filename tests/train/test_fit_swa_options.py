@@ -89,7 +89,7 @@ def test_cyclic_schedule_rates_and_fast_swa_collection_points():
 
 
 def test_fast_swa_default_window_is_the_whole_cycle_and_cosine_cycles_reach_fit():
-    # issue 28: fit could not change fast-SWA's window (the late half only); the reference
+    # fit could not change fast-SWA's window (the late half only); the reference
     # collects across the whole cycle of a cosine-shaped cyclical rate
     config = TrainConfig(epochs=3, swa_start=1, swa_lr=0.01, swa_lr_max=0.1, swa_cycle=5,
                          swa_schedule="cyclic", swa_every_steps=2, swa_cycle_shape="cosine",
@@ -224,7 +224,7 @@ def test_unknown_swag_param_name_is_a_clear_error():
 
 
 def test_swag_is_opt_in():
-    # issue 28: SWA used to turn on a rank-20 SWAG (22 copies of the weights) by default
+    # SWA used to turn on a rank-20 SWAG (22 copies of the weights) by default
     assert TrainConfig(epochs=2, swa_start=1, swa_lr=0.05).swag_rank is None
     result, _, _ = _fit(TrainConfig(epochs=2, swa_start=1, swa_lr=0.05, progress=False))
     assert result.swa is not None and result.swag is None

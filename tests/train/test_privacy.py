@@ -181,7 +181,7 @@ def test_ember_train_cli_dp_flags(tmp_path, capsys):
     assert rc == 2 and "not differential privacy" in capsys.readouterr().err
 
 
-# ---- defects of issue 23: each of these failed before its fix ----------------------------------
+# ---- defects: each of these failed before its fix --------------------------------------------
 
 def _privacy(**kw):
     base = dict(noise_multiplier=1.0, delta=1e-5, max_grad_norm=1.0, noise_seed=3)

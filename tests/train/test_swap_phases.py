@@ -1,5 +1,5 @@
 """SWAP's phase-2 learning-rate schedule and fresh optimizer, and phase 1's stop at a training
-accuracy (issue 28, item 7); one process: these parts need no process group."""
+accuracy; one process: these parts need no process group."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``ember train``, the third review of issue 26: --skip-bad with a progress bar, evaluation
+"""``ember train``: --skip-bad with a progress bar, evaluation
 shards of other classes, SIGTERM during --force, 16-bit images, absurd float options, split
 samples, skip counts at the end of the data, resume hints, option messages in flag terms."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cli_review import _args, _png, _shard
+from test_cli_failures_and_limits import _args, _png, _shard
 from test_cli_user_data import Image, ember, one_error_line, snapshot
 
 import processes

@@ -1,4 +1,5 @@
-"""fit(privacy=...): defects found by the review of issue 23 (each test failed before its fix)."""
+"""fit(privacy=...) guards: layers and buffers that would leak training data, samplers that
+leave examples out, secret checkpoints, Opacus's attributes removed, clear errors."""
 
 from __future__ import annotations
 

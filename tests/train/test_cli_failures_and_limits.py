@@ -1,4 +1,4 @@
-"""``ember train`` on users' data, the second review of issue 26: nothing lost with --force,
+"""``ember train`` on users' data: nothing lost with --force,
 a sensible default image size, no silent divergence, labels checked per sample, --resume that
 does not fit, Ctrl-C, failed runs that block nothing, --skip-bad counts, absurd numbers."""
 

@@ -1,4 +1,4 @@
-"""``ember train`` and the ``ember`` command, the fourth review of issue 26: the old run survives
+"""``ember train`` and the ``ember`` command: the old run survives
 an exception during its own restore, absurd --dp-epsilon, classes.json beside every shard,
 resuming across DP and non-DP, options that need another option, interrupts at start-up."""
 
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_cli_review import _args, _png, _shard
+from test_cli_failures_and_limits import _args, _png, _shard
 from test_cli_user_data import ember, one_error_line, snapshot
 
 
