@@ -26,7 +26,8 @@ def _read(path) -> bytes:
 def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_range: bool = True):
     """Serve ``files`` on 127.0.0.1 at an ephemeral port; ``drop[path]`` responses for that path
     send only a third of the body and close the connection (-1: every response, sending no body
-    at all, so no attempt makes progress)."""
+    at all, so no attempt makes progress). A list of bytes as a file serves its n-th entry to
+    the n-th request (the last one from then on)."""
     drop = dict(drop or {})
     hits: dict[str, int] = {}
     lock = threading.Lock()
@@ -39,6 +40,8 @@ def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_ra
             data = files.get(self.path)
             with lock:
                 hits[self.path] = hits.get(self.path, 0) + 1
+                if isinstance(data, list):
+                    data = data[min(hits[self.path], len(data)) - 1]
                 left = drop.get(self.path, 0)
                 if left > 0:
                     drop[self.path] = left - 1

@@ -17,7 +17,7 @@ from pathlib import Path
 from ember.shards.errors import ShardError
 from ember.shards.format import group_samples, split_name
 from ember.shards.tar import iter_members, memory_source, open_tar_source, scan_members
-from ember.shards.urls import UrlOptions, local_path, open_url
+from ember.shards.urls import UrlOptions, local_path, open_url, parsed_to_end
 
 __all__ = ["build_index", "make_index", "write_index", "read_index", "index_path",
            "index_mismatch", "sample_count", "read_sample", "INDEX_SUFFIX"]
@@ -47,6 +47,7 @@ def _spans(url: str, options: UrlOptions | None) -> Iterator[tuple[str, int, int
                 yield key, start, end
         finally:
             src.close()
+        parsed_to_end(stream)
     finally:
         stream.close()
 

@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 from ember.shards.errors import ShardError
 
-__all__ = ["expand_urls", "open_url", "UrlOptions", "local_path"]
+__all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end"]
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -139,14 +139,14 @@ def open_url(url: str, options: UrlOptions | None = None) -> BinaryIO:
         return _PipeStream(url[5:], url)
     if url.startswith(("http://", "https://", "s3://")):
         if options.cache_dir is not None:
-            from ember.shards.cache import CachingStream, cache_path, open_cached
+            from ember.shards.cache import CachedReader, CachingStream, cache_path, open_cached
 
             final = cache_path(options.cache_dir, url)
             cached = open_cached(final)
             if cached is not None:
                 return cached
-            return io.BufferedReader(CachingStream(_remote(url, options), final,
-                                                   options.cache_size), 1 << 16)
+            return CachedReader(CachingStream(_remote(url, options), final, options.cache_size),
+                                1 << 16)
         return _remote(url, options)
     path = local_path(url)
     if path is None:
@@ -159,6 +159,14 @@ def open_url(url: str, options: UrlOptions | None = None) -> BinaryIO:
         raise ShardError("no such file", url) from None
     except OSError as exc:
         raise ShardError(f"cannot open: {exc}", url) from exc
+
+
+def parsed_to_end(stream: BinaryIO) -> None:
+    """Tell a stream from :func:`open_url` that the tar parser reached the end of its archive
+    without an error (a caching stream keeps its copy only then)."""
+    complete = getattr(stream, "complete", None)
+    if complete is not None:
+        complete()
 
 
 def _remote(url: str, options: UrlOptions) -> BinaryIO:
