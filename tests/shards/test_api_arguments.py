@@ -91,3 +91,24 @@ def test_checked_arguments_keep_working_with_numpy_and_plain_values():
     assert ds.length == 4 and ds.epoch_length == 3 and ds.stages[-2][1] == (1, None, 2)
     loader = ShardLoader(ds, num_workers=np.int64(0), transfer_memory=0).with_length(2)
     assert loader.num_workers == 0 and len(loader) == 2
+
+
+def test_url_options_replace_the_url_keywords_which_still_work_deprecated(tmp_path):
+    from ember.shards import UrlOptions
+
+    options = UrlOptions(timeout=5, retries=0, headers={"X-A": "1"}, cache_dir=tmp_path)
+    ds = ShardDataset("a.tar", url_options=options)
+    assert ds.options == options and ds.options.cache_dir == str(tmp_path)
+    with pytest.warns(DeprecationWarning, match="url_options="):
+        old = ShardDataset("a.tar", timeout=5, retries=0, cache_dir=tmp_path)
+    assert old.options == UrlOptions(timeout=5, retries=0, cache_dir=str(tmp_path))
+    with pytest.raises(TypeError, match="inside url_options="):
+        ShardDataset("a.tar", url_options=options, timeout=1)
+    with pytest.raises(TypeError, match="'colour'"):
+        ShardDataset("a.tar", colour=1)
+    with pytest.raises(TypeError, match="url_options must be a UrlOptions"):
+        ShardDataset("a.tar", url_options={"timeout": 1})
+    with pytest.raises(TypeError, match="headers"):
+        UrlOptions(headers={"X-A": 1})
+    with pytest.raises(ValueError, match="backoff"):
+        UrlOptions(backoff=-1)

@@ -577,7 +577,7 @@ def _shuffle(args) -> int:
     if args.buffer < 0:
         raise ValueError(f"--buffer must be >= 0, got {args.buffer}")
     if args.buffer:
-        ds = ShardDataset(urls, seed=args.seed, allow_pipe=args.allow_pipe).shuffle(args.buffer)
+        ds = ShardDataset(urls, seed=args.seed, url_options=_options(args)).shuffle(args.buffer)
         with _progress(ds, args, unit="sample") as bar:
             return _write_all(args, urls, bar)
     remote = [u for u in urls if local_path(u) is None]

@@ -18,14 +18,16 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ember.shards.errors import ShardError
 
-__all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end"]
+__all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end",
+           "url_options_from"]
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -98,23 +100,67 @@ def expand_urls(urls: str | Path | Iterable) -> list[str]:
 
 @dataclass(frozen=True)
 class UrlOptions:
-    """How shard URLs are opened.
+    """How shard URLs are opened (``ShardDataset(url_options=...)``, :func:`open_url`).
 
-    ``timeout`` is the socket timeout in seconds; ``retries`` the number of consecutive failed
-    attempts tolerated per shard (a resumed read that makes progress resets it); ``allow_pipe``
-    enables ``pipe:`` URLs; ``s3_endpoint`` overrides the S3 endpoint (else the
-    ``EMBER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL`` environment variable, else AWS).
-    ``cache_dir``: keep a local copy of every ``http(s)://`` and ``s3://`` shard read, and read
-    the copy next time (see :mod:`ember.shards.cache`); ``cache_size`` bounds it in bytes.
+    ``timeout``: socket timeout in seconds. ``retries``: consecutive failed attempts tolerated
+    per shard (a resumed read that makes progress resets the count); ``backoff``: seconds before
+    the first retry, doubling up to 5 s. ``headers``: extra HTTP request headers (for example
+    an ``Authorization``). ``allow_pipe``: enables ``pipe:`` URLs, which run shell commands.
+    ``s3_endpoint``: the S3 endpoint (else the ``EMBER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL``
+    environment variable, else AWS). ``cache_dir``: keep a local copy of every remote shard read
+    whole and read the copy next time (see :mod:`ember.shards.cache`); ``cache_size`` bounds the
+    cache in bytes.
     """
 
     timeout: float = 60.0
     retries: int = 5
     backoff: float = 0.2
+    headers: Mapping[str, str] = field(default_factory=dict)
     allow_pipe: bool = False
     s3_endpoint: str | None = None
     cache_dir: str | None = None
     cache_size: int | None = None
+
+    def __post_init__(self) -> None:
+        from ember.shards.checks import integer, real
+
+        set_ = object.__setattr__  # frozen: the checked values replace the given ones
+        set_(self, "timeout", real(self.timeout, "timeout", above=0.0))
+        set_(self, "retries", integer(self.retries, "retries", minimum=0))
+        set_(self, "backoff", real(self.backoff, "backoff", minimum=0.0))
+        if not isinstance(self.headers, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()):
+            raise TypeError(f"headers must map str to str, got {self.headers!r}")
+        set_(self, "headers", dict(self.headers))
+        set_(self, "allow_pipe", bool(self.allow_pipe))
+        if self.cache_dir is not None:
+            set_(self, "cache_dir", os.fspath(self.cache_dir))
+        if self.cache_size is not None:
+            if self.cache_dir is None:
+                raise ValueError("cache_size= needs cache_dir=")
+            set_(self, "cache_size", integer(self.cache_size, "cache_size", minimum=0))
+
+
+_OPTION_NAMES = ("timeout", "retries", "allow_pipe", "s3_endpoint", "cache_dir", "cache_size")
+
+
+def url_options_from(url_options: UrlOptions | None, keywords: dict[str, Any]) -> UrlOptions:
+    """``url_options``, or one made from the deprecated keywords that used to stand for its
+    fields (with a DeprecationWarning); a TypeError for any other keyword or for both."""
+    unknown = sorted(set(keywords) - set(_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    if url_options is not None and not isinstance(url_options, UrlOptions):
+        raise TypeError(f"url_options must be a UrlOptions, got {type(url_options).__name__}")
+    if not keywords:
+        return url_options or UrlOptions()
+    names = ", ".join(f"{k}=" for k in keywords)
+    if url_options is not None:
+        raise TypeError(f"pass {names} inside url_options=, not beside it")
+    warnings.warn(f"the keyword arguments {names} are deprecated: pass "
+                  "url_options=UrlOptions(...) with the same fields", DeprecationWarning,
+                  stacklevel=3)
+    return UrlOptions(**keywords)
 
 
 def local_path(url: str) -> Path | None:
@@ -172,7 +218,7 @@ def parsed_to_end(stream: BinaryIO) -> None:
 def _remote(url: str, options: UrlOptions) -> BinaryIO:
     if url.startswith("s3://"):
         return _RetryingStream(url, _S3Opener(url, options), options)
-    return _RetryingStream(url, _HttpOpener(url, options.timeout), options)
+    return _RetryingStream(url, _HttpOpener(url, options), options)
 
 
 class _Transient(Exception):
@@ -253,9 +299,10 @@ class _RetryingStream(io.RawIOBase):
 class _HttpOpener:
     """GET with ``Range: bytes=N-`` through http.client, following redirects."""
 
-    def __init__(self, url: str, timeout: float):
+    def __init__(self, url: str, options: UrlOptions):
         self.url = url
-        self.timeout = timeout
+        self.timeout = options.timeout
+        self.headers = dict(options.headers)
 
     def open(self, offset: int):
         import http.client
@@ -266,7 +313,9 @@ class _HttpOpener:
             cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
             conn = cls(parts.hostname, parts.port, timeout=self.timeout)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            headers = {"Range": f"bytes={offset}-"} if offset else {}
+            headers = dict(self.headers)
+            if offset:
+                headers["Range"] = f"bytes={offset}-"
             try:
                 conn.request("GET", path, headers=headers)
                 resp = conn.getresponse()
