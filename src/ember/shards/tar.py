@@ -37,6 +37,7 @@ __all__ = ["iter_members", "scan_members", "open_tar_source", "memory_source", "
 BLOCK = 512
 _ZERO = bytes(BLOCK)
 _CHUNK = 1 << 20
+_LARGE = 1 << 26  # the most bytes asked of a stream at once
 _GZ_INPUT = 1 << 18  # compressed bytes per read, small enough to keep zlib's leftovers cheap
 _CACHE = 4096  # entries per field-value cache
 # members per call of the compiled scanner, and its data bytes per call: what it parses ahead of
@@ -99,26 +100,36 @@ class _StreamSource:
 
     def _read(self, n: int) -> bytes:
         try:
-            return self.stream.read(n)
+            return self.stream.read(min(n, _LARGE))
         except ShardError:
             raise
         except OSError as exc:
             raise ShardError(f"read failed: {exc}", self.url, self.base + self.end) from exc
 
     def _read_exact(self, n: int) -> bytes:
-        """Up to ``n`` bytes: fewer only at the end of the stream."""
+        """Up to ``n`` bytes: fewer only at the end of the stream.
+
+        At most ``_LARGE`` bytes are asked for at once, so a size read from a damaged header
+        costs memory only for the bytes that really follow; a size that no memory holds is a
+        ShardError.
+        """
         data = self._read(n)
         if len(data) >= n or not data:
             return data
         parts = [data]
         have = len(data)
-        while have < n:
-            chunk = self._read(n - have)
-            if not chunk:
-                break
-            parts.append(chunk)
-            have += len(chunk)
-        return b"".join(parts)
+        try:
+            while have < n:
+                chunk = self._read(n - have)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                have += len(chunk)
+            return b"".join(parts)
+        except MemoryError:
+            parts.clear()
+            raise ShardError(f"a member of {n} bytes does not fit in memory", self.url,
+                             self.base + self.end) from None
 
     def refill(self, pos: int, need: int) -> int:
         """Start the window at ``pos`` holding at least ``need`` bytes, or all that is left;
