@@ -18,7 +18,7 @@ from ember.shards.stages import (
     warn_and_continue,
     warn_and_stop,
 )
-from ember.shards.urls import UrlOptions, expand_urls, local_path, open_url
+from ember.shards.urls import UrlOptions, expand_urls, local_path, open_url, register_opener
 from ember.shards.writer import ShardWriter, TarWriter, encode_field
 
 __all__ = [
@@ -27,6 +27,6 @@ __all__ = [
     "ShardError", "FormatError", "TruncatedShardError", "DecodeError",
     "split_name", "group_samples", "default_collate",
     "reraise_exception", "warn_and_continue", "ignore_and_continue", "warn_and_stop",
-    "expand_urls", "open_url", "local_path", "UrlOptions",
+    "expand_urls", "open_url", "local_path", "UrlOptions", "register_opener",
     "TarWriter", "ShardWriter", "encode_field",
 ]

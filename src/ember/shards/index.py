@@ -17,7 +17,7 @@ from pathlib import Path
 from ember.shards.errors import ShardError
 from ember.shards.format import group_samples, split_name
 from ember.shards.tar import iter_members, memory_source, open_tar_source, scan_members
-from ember.shards.urls import UrlOptions, local_path, open_url, parsed_to_end
+from ember.shards.urls import UrlOptions, local_path, open_url, parsed_to_end, sibling_url
 
 __all__ = ["build_index", "make_index", "write_index", "read_index", "index_path",
            "index_mismatch", "sample_count", "read_sample", "INDEX_SUFFIX"]
@@ -104,7 +104,10 @@ def read_index(url: str, options: UrlOptions | None = None) -> dict | None:
                               f"was made for {index.get('size')} bytes")
                 return None
         else:
-            stream = open_url(url + INDEX_SUFFIX, options)
+            where = sibling_url(url, INDEX_SUFFIX)
+            if where is None:
+                return None  # no file lies beside a command's output
+            stream = open_url(where, options)
             try:
                 index = json.loads(stream.read())
             finally:

@@ -19,15 +19,15 @@ import threading
 import time
 import urllib.parse
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ember.shards.errors import ShardError
 
 __all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end",
-           "url_options_from"]
+           "url_options_from", "register_opener", "sibling_url", "url_scheme"]
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -176,35 +176,93 @@ def local_path(url: str) -> Path | None:
     return Path(url)
 
 
+Opener = Callable[[str, "UrlOptions"], BinaryIO]
+
+
+@dataclass(frozen=True)
+class _Scheme:
+    opener: Opener
+    cacheable: bool
+    siblings: bool
+
+
+_SCHEMES: dict[str, _Scheme] = {}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+
+
+def register_opener(scheme: str, opener: Opener, *, cacheable: bool = False,
+                    siblings: bool = True) -> None:
+    """Make :func:`open_url` open URLs ``scheme:...`` with ``opener(url, options)``.
+
+    ``opener`` returns a readable binary stream (closed by the caller) and raises ShardError
+    naming the URL when it cannot. ``cacheable``: ``cache_dir=`` keeps copies of these shards.
+    ``siblings``: ``url + ".idx"`` names a file beside the shard, so an index may be looked up
+    there (not for URLs that are commands or connections). A scheme registered again is
+    replaced. Local paths use the scheme ``file``.
+    """
+    if not _SCHEME.match(scheme + ":") or len(scheme) < 2:
+        raise ValueError(f"expected a URL scheme of two or more letters, digits, '+', '-', '.', "
+                         f"got {scheme!r}")
+    if not callable(opener):
+        raise TypeError(f"opener must be callable, got {opener!r}")
+    _SCHEMES[scheme.lower()] = _Scheme(opener, bool(cacheable), bool(siblings))
+
+
+def url_scheme(url: str) -> str:
+    """The scheme of a shard URL, lower-cased; ``file`` for a local path (Windows drive
+    letters included)."""
+    m = _SCHEME.match(url)
+    return m.group(1).lower() if m else "file"
+
+
+def _scheme(url: str) -> _Scheme:
+    found = _SCHEMES.get(url_scheme(url))
+    if found is None:
+        known = ", ".join(f"{k}:" for k in sorted(_SCHEMES))
+        raise ShardError(f"unsupported URL scheme {url_scheme(url)!r} (use a local path or one "
+                         f"of {known})", url)
+    return found
+
+
+def sibling_url(url: str, suffix: str) -> str | None:
+    """The URL of the file named like the shard plus ``suffix`` (its index: ``.idx``), or None
+    where no file can lie beside it (``pipe:`` commands, unknown schemes)."""
+    found = _SCHEMES.get(url_scheme(url))
+    return url + suffix if found is not None and found.siblings else None
+
+
 def open_url(url: str, options: UrlOptions | None = None) -> BinaryIO:
     """Open a shard URL for sequential reading; the caller must close the result."""
     options = options or UrlOptions()
-    if url.startswith("pipe:"):
-        if not options.allow_pipe:
-            raise ShardError("pipe: URLs run shell commands and are disabled; pass allow_pipe=True", url)
-        return _PipeStream(url[5:], url)
-    if url.startswith(("http://", "https://", "s3://")):
-        if options.cache_dir is not None:
-            from ember.shards.cache import CachedReader, CachingStream, cache_path, open_cached
+    scheme = _scheme(url)
+    if scheme.cacheable and options.cache_dir is not None:
+        from ember.shards.cache import CachedReader, CachingStream, cache_path, open_cached
 
-            final = cache_path(options.cache_dir, url)
-            cached = open_cached(final)
-            if cached is not None:
-                return cached
-            return CachedReader(CachingStream(_remote(url, options), final, options.cache_size),
-                                1 << 16)
-        return _remote(url, options)
+        final = cache_path(options.cache_dir, url)
+        cached = open_cached(final)
+        if cached is not None:
+            return cached
+        return CachedReader(CachingStream(scheme.opener(url, options), final,
+                                          options.cache_size), 1 << 16)
+    return scheme.opener(url, options)
+
+
+def _open_file(url: str, options: UrlOptions) -> BinaryIO:
     path = local_path(url)
     if path is None:
-        scheme = url.split(":", 1)[0]
-        raise ShardError(f"unsupported URL scheme {scheme!r} (use a local path, file:, http(s)://, "
-                         "s3:// or pipe:)", url)
+        raise ShardError("not a local path", url)
     try:
-        return open(path, "rb")
+        return open(path, "rb")  # noqa: SIM115 (the caller closes it)
     except FileNotFoundError:
         raise ShardError("no such file", url) from None
     except OSError as exc:
         raise ShardError(f"cannot open: {exc}", url) from exc
+
+
+def _open_pipe(url: str, options: UrlOptions) -> BinaryIO:
+    if not options.allow_pipe:
+        raise ShardError("pipe: URLs run shell commands and are disabled; pass allow_pipe=True", url)
+    return cast(BinaryIO, _PipeStream(url[5:], url))
 
 
 def parsed_to_end(stream: BinaryIO) -> None:
@@ -215,10 +273,12 @@ def parsed_to_end(stream: BinaryIO) -> None:
         complete()
 
 
-def _remote(url: str, options: UrlOptions) -> BinaryIO:
-    if url.startswith("s3://"):
-        return _RetryingStream(url, _S3Opener(url, options), options)
-    return _RetryingStream(url, _HttpOpener(url, options), options)
+def _open_http(url: str, options: UrlOptions) -> BinaryIO:
+    return cast(BinaryIO, _RetryingStream(url, _HttpOpener(url, options), options))
+
+
+def _open_s3(url: str, options: UrlOptions) -> BinaryIO:
+    return cast(BinaryIO, _RetryingStream(url, _S3Opener(url, options), options))
 
 
 class _Transient(Exception):
@@ -516,3 +576,10 @@ def as_list(urls: str | Sequence[str]) -> list[str]:
     if not out:
         raise ValueError("no shard URLs given")
     return out
+
+
+register_opener("file", _open_file)
+register_opener("http", _open_http, cacheable=True)
+register_opener("https", _open_http, cacheable=True)
+register_opener("s3", _open_s3, cacheable=True)
+register_opener("pipe", _open_pipe, siblings=False)
