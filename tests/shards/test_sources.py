@@ -34,7 +34,8 @@ def test_a_pipe_url_never_runs_its_command_again_to_find_an_index(shards, tmp_pa
 
 def test_a_registered_scheme_is_opened_cached_and_indexed_like_the_built_in_ones(
         shards, tmp_path, monkeypatch):
-    from ember.shards import register_opener, urls as urls_module
+    from ember.shards import register_opener
+    from ember.shards import urls as urls_module
     from ember.shards.urls import sibling_url
 
     monkeypatch.setattr(urls_module, "_SCHEMES", dict(urls_module._SCHEMES))  # undone after
