@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import os
 import threading
 import time
@@ -27,7 +28,8 @@ def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_ra
     """Serve ``files`` on 127.0.0.1 at an ephemeral port; ``drop[path]`` responses for that path
     send only a third of the body and close the connection (-1: every response, sending no body
     at all, so no attempt makes progress). A list of bytes as a file serves its n-th entry to
-    the n-th request (the last one from then on)."""
+    the n-th request (the last one from then on). Every response has an ETag (a hash of the
+    body's file), and a Range is honoured only where an If-Range sent with it matches."""
     drop = dict(drop or {})
     hits: dict[str, int] = {}
     lock = threading.Lock()
@@ -49,12 +51,15 @@ def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_ra
                 self.send_error(404)
                 return
             start = 0
+            etag = f'"{hashlib.sha1(data).hexdigest()}"'
             rng = self.headers.get("Range")
-            if rng and honour_range:
+            if_range = self.headers.get("If-Range")
+            if rng and honour_range and if_range in (None, etag):
                 start = int(rng.split("=")[1].split("-")[0])
             body = data[start:]
             self.send_response(206 if start else 200)
             self.send_header("Content-Length", str(len(body)))
+            self.send_header("ETag", etag)
             self.end_headers()
             if left != 0:
                 if left > 0:

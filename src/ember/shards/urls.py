@@ -356,32 +356,58 @@ class _RetryingStream(io.RawIOBase):
         super().close()
 
 
+def _changed(url: str, offset: int, how: str) -> ShardError:
+    return ShardError(f"the object changed while it was being read ({how}); the bytes read "
+                      "before belong to another version: read the shard again", url, offset)
+
+
 class _HttpOpener:
-    """GET with ``Range: bytes=N-`` through http.client, following redirects."""
+    """GET with ``Range: bytes=N-`` through http.client, following redirects. The first
+    response's ETag (or Last-Modified) is what every resumed request asks for (``If-Range``)
+    and must match."""
 
     def __init__(self, url: str, options: UrlOptions):
         self.url = url
         self.timeout = options.timeout
         self.headers = dict(options.headers)
+        self.etag: str | None = None
+        self.modified: str | None = None
+        self._seen = False  # whether a response was accepted (and its validators kept)
 
-    def open(self, offset: int):
+    def _request(self, url: str, offset: int):
         import http.client
 
+        parts = urllib.parse.urlsplit(url)
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = cls(parts.hostname, parts.port, timeout=self.timeout)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = dict(self.headers)
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+            strong = self.etag if self.etag and not self.etag.startswith("W/") else None
+            if strong or self.modified:
+                headers["If-Range"] = strong or cast(str, self.modified)
+        try:
+            conn.request("GET", path, headers=headers)
+            return conn, conn.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _Transient(f"HTTP request failed: {exc}") from exc
+
+    def _same_object(self, resp, offset: int) -> None:
+        """Keep the first response's validators; raise if a later one names another version."""
+        etag, modified = resp.getheader("ETag"), resp.getheader("Last-Modified")
+        if not self._seen:
+            self.etag, self.modified, self._seen = etag, modified, True
+        elif self.etag and etag and etag != self.etag:
+            raise _changed(self.url, offset, f"ETag {self.etag}, now {etag}")
+        elif not self.etag and self.modified and modified and modified != self.modified:
+            raise _changed(self.url, offset, f"Last-Modified {self.modified}, now {modified}")
+
+    def open(self, offset: int):
         url = self.url
         for _ in range(6):
-            parts = urllib.parse.urlsplit(url)
-            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = cls(parts.hostname, parts.port, timeout=self.timeout)
-            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            headers = dict(self.headers)
-            if offset:
-                headers["Range"] = f"bytes={offset}-"
-            try:
-                conn.request("GET", path, headers=headers)
-                resp = conn.getresponse()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                raise _Transient(f"HTTP request failed: {exc}") from exc
+            conn, resp = self._request(url, offset)
             if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
                 url = urllib.parse.urljoin(url, resp.getheader("Location"))
                 conn.close()
@@ -395,6 +421,11 @@ class _HttpOpener:
             if resp.status not in (200, 206):
                 conn.close()
                 raise ShardError(f"HTTP status {resp.status} {resp.reason}", self.url)
+            try:
+                self._same_object(resp, offset)
+            except ShardError:
+                conn.close()
+                raise
             length = resp.getheader("Content-Length")
             body = _HttpBody(conn, resp)
             if offset and resp.status == 200:  # server ignored the range: skip what we have
@@ -459,7 +490,9 @@ def _s3_client(endpoint: str | None, timeout: float):
 
 
 class _S3Opener:
-    """``get_object`` with a byte range through boto3."""
+    """``get_object`` with a byte range through boto3; resumed reads ask for the first
+    response's version (``VersionId`` where the bucket keeps versions, else ``IfMatch`` on its
+    ETag)."""
 
     def __init__(self, url: str, options: UrlOptions):
         parts = urllib.parse.urlsplit(url)
@@ -469,26 +502,52 @@ class _S3Opener:
         self.endpoint = (options.s3_endpoint or os.environ.get("EMBER_S3_ENDPOINT_URL")
                          or os.environ.get("AWS_ENDPOINT_URL") or None)
         self.timeout = options.timeout
+        self.etag: str | None = None
+        self.version: str | None = None
 
-    def open(self, offset: int):
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        client = _s3_client(self.endpoint, self.timeout)
-        kwargs = {"Bucket": self.bucket, "Key": self.key}
+    def _request(self, offset: int) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key}
         if offset:
             kwargs["Range"] = f"bytes={offset}-"
+            if self.version:
+                kwargs["VersionId"] = self.version
+            if self.etag:
+                kwargs["IfMatch"] = self.etag
+        return kwargs
+
+    def open(self, offset: int):
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+
+        client = _s3_client(self.endpoint, self.timeout)
         try:
-            resp = client.get_object(**kwargs)
+            resp = client.get_object(**self._request(offset))
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if code == "InvalidRange" and offset:
                 return _Empty(), offset
+            if code in ("PreconditionFailed", "NoSuchVersion") or status == 412:
+                raise _changed(self.url, offset, f"{code or status}: it no longer is version "
+                               f"{self.version or self.etag}") from None
             if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
                 raise _Transient(f"S3 error {code}") from exc
             raise ShardError(f"S3 error {code or status}: {exc}", self.url) from None
+        except (NoCredentialsError, PartialCredentialsError) as exc:
+            raise ShardError(f"S3 credentials are missing or incomplete ({exc}); set "
+                             "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile",
+                             self.url) from None
         except BotoCoreError as exc:
             raise _Transient(f"S3 request failed: {exc}") from exc
+        if not offset:
+            self.etag, self.version = resp.get("ETag"), resp.get("VersionId")
+        elif self.etag and resp.get("ETag") and resp["ETag"] != self.etag:
+            resp["Body"].close()
+            raise _changed(self.url, offset, f"ETag {self.etag}, now {resp['ETag']}")
         length = resp.get("ContentLength")
         return resp["Body"], (offset + length) if length is not None else None
 
