@@ -143,25 +143,6 @@ def test_http_missing_shard_is_an_error_or_skipped(shards):
         assert [s["__key__"] for s in ds] == keys and ds.error_count == 1
 
 
-@pytest.fixture
-def s3(monkeypatch):
-    pytest.importorskip("boto3")
-    server_mod = pytest.importorskip("moto.server")
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    monkeypatch.delenv("EMBER_S3_ENDPOINT_URL", raising=False)
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
 def test_s3_shards_via_endpoint(s3, shards):
     import boto3
 

@@ -7,7 +7,6 @@ import os
 
 import pytest
 from test_cli_guards import ember
-from test_remote import s3  # noqa: F401 (a fixture)
 
 from ember.shards import ShardDataset, UrlOptions, open_url
 from ember.shards.index import read_index, sample_count
