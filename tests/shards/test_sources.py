@@ -182,3 +182,41 @@ def test_missing_s3_credentials_are_one_clear_error_without_retries(s3, monkeypa
         list(ShardDataset(["s3://data/a.tar"], url_options=options))
     assert ei.value.url == "s3://data/a.tar"
     assert sleeps == []  # given up at once, not after 5 retries
+
+
+def test_tcp_urls_read_what_a_server_sends(shards):
+    import socket
+    import threading
+
+    from test_remote import _read
+
+    from ember.shards import ShardError
+
+    pattern, keys = shards
+    paths = expand_urls(pattern)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve():
+        for p in paths:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(_read(p)[: 3000] if p == paths[-1] else _read(p))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        url = f"tcp://127.0.0.1:{port}"
+        ds = ShardDataset([url] * len(paths), shuffle_shards=False, on_error="skip",
+                          url_options=UrlOptions(timeout=30.0))
+        got = [s["__key__"] for s in ds]
+        assert got[:50] == keys[:50] and ds.error_count == 1  # the last one arrives cut short
+        thread.join(timeout=30)
+        assert read_index(url) is None
+    finally:
+        listener.close()
+    with pytest.raises(ShardError, match="cannot connect") as ei:
+        list(ShardDataset([url]))
+    assert ei.value.url == url
+    with pytest.raises(ShardError, match="tcp://HOST:PORT"):
+        list(ShardDataset(["tcp://127.0.0.1/a.tar"]))

@@ -1,9 +1,10 @@
 """Shard URLs: brace expansion, and opening a URL as a byte stream.
 
 Supported: local paths and ``file:``, ``http(s)://`` (retries, timeouts, resume by byte range),
-``s3://`` (boto3, imported only when used; endpoint configurable for MinIO/AIStore/moto) and
-``pipe:CMD`` (only when explicitly allowed; the process is always reaped). This is the only module of
-ember.shards that touches the network or starts processes.
+``s3://`` (boto3, imported only when used; endpoint configurable for MinIO/AIStore/moto),
+``pipe:CMD`` (only when explicitly allowed; the process is always reaped) and ``tcp://HOST:PORT``
+(what a server sends on connecting). More schemes: :func:`register_opener`. This is the only
+module of ember.shards that touches the network or starts processes.
 """
 
 from __future__ import annotations
@@ -637,8 +638,29 @@ def as_list(urls: str | Sequence[str]) -> list[str]:
     return out
 
 
+def _open_tcp(url: str, options: UrlOptions) -> BinaryIO:
+    """``tcp://HOST:PORT``: the bytes a server sends on connecting (a producer streaming a
+    shard), with ``options.timeout`` per connect and read; not resumable."""
+    import socket
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ShardError("expected tcp://HOST:PORT", url)
+    try:
+        sock = socket.create_connection((parts.hostname, port), timeout=options.timeout)
+    except OSError as exc:
+        raise ShardError(f"cannot connect: {exc}", url) from exc
+    with sock:  # the file keeps the connection open until it is closed
+        return sock.makefile("rb")
+
+
 register_opener("file", _open_file)
 register_opener("http", _open_http, cacheable=True)
 register_opener("https", _open_http, cacheable=True)
 register_opener("s3", _open_s3, cacheable=True)
 register_opener("pipe", _open_pipe, siblings=False)
+register_opener("tcp", _open_tcp, siblings=False)
