@@ -14,8 +14,8 @@ import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ember.shards.errors import ShardError
-from ember.shards.format import group_samples, split_name
+from ember.shards.errors import FormatError, ShardError
+from ember.shards.format import group_samples, split_name, unsafe_name
 from ember.shards.tar import iter_members, memory_source, open_tar_source, scan_members
 from ember.shards.urls import UrlOptions, local_path, open_url, parsed_to_end, sibling_url
 
@@ -38,6 +38,9 @@ def _spans(url: str, options: UrlOptions | None) -> Iterator[tuple[str, int, int
                 kx = split_name(name)
                 if kx is None:
                     continue
+                if kx[0] != key and unsafe_name(kx[0]):
+                    raise FormatError(f"member name {name!r} is unsafe ({unsafe_name(kx[0])})",
+                                      url, s)
                 if kx[0] != key:
                     if key is not None:
                         yield key, start, end
