@@ -74,9 +74,8 @@ def test_unsafe_member_names_are_reported_not_yielded(tmp_path, name, implementa
     ("a/", "jpg", "ends with '/'"),
 ])
 def test_the_writer_refuses_keys_webdataset_would_skip_or_misread(tmp_path, key, ext, rule):
-    with TarWriter(str(tmp_path / "s.tar")) as w:
-        with pytest.raises(FormatError, match=rule):
-            w.write({"__key__": key, ext: b"x"})
+    with TarWriter(str(tmp_path / "s.tar")) as w, pytest.raises(FormatError, match=rule):
+        w.write({"__key__": key, ext: b"x"})
 
 
 @pytest.mark.parametrize("key", ["a/__x__/y", "__x__", "___/y", "./a", "a/.b/c", "x__/y"])
