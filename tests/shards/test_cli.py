@@ -123,8 +123,8 @@ def test_index_writes_idx_files(shards, capsys):
 
 
 def test_shards_without_subcommand_prints_help(capsys):
-    assert main(["shards"]) == 0
-    assert "verify" in capsys.readouterr().out
+    assert main(["shards"]) == 2
+    assert "verify" in capsys.readouterr().err
 
 
 def test_cat_plain_lists_field_sizes(shards, capsys):

@@ -10,6 +10,7 @@ module of ember.shards that touches the network or starts processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -25,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from ember.shards.errors import ShardError
+from ember.shards.errors import NotFoundError, ShardError
 
 __all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end",
-           "url_options_from", "register_opener", "sibling_url", "url_scheme"]
+           "url_options_from", "register_opener", "sibling_url", "url_scheme", "file_beside"]
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -255,7 +256,7 @@ def _open_file(url: str, options: UrlOptions) -> BinaryIO:
     try:
         return open(path, "rb")  # noqa: SIM115 (the caller closes it)
     except FileNotFoundError:
-        raise ShardError("no such file", url) from None
+        raise NotFoundError("no such file", url) from None
     except OSError as exc:
         raise ShardError(f"cannot open: {exc}", url) from exc
 
@@ -264,6 +265,29 @@ def _open_pipe(url: str, options: UrlOptions) -> BinaryIO:
     if not options.allow_pipe:
         raise ShardError("pipe: URLs run shell commands and are disabled; pass allow_pipe=True", url)
     return cast(BinaryIO, _PipeStream(url[5:], url))
+
+
+def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes | None:
+    """The bytes of the file ``name`` in the folder of the shard ``url`` (a local path, or a URL
+    whose scheme has files beside its shards: http(s), s3), or None where there is none (or
+    can be none). Read whole, never cached."""
+    path = local_path(url)
+    if path is not None:
+        try:
+            return (path.parent / name).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise ShardError(f"cannot read {name} beside it: {exc}", url) from exc
+    if sibling_url(url, "") is None or "/" not in url:
+        return None
+    options = dataclasses.replace(options or UrlOptions(), cache_dir=None, cache_size=None)
+    try:
+        stream = open_url(url.rsplit("/", 1)[0] + "/" + name, options)
+    except NotFoundError:
+        return None
+    with stream:
+        return stream.read()
 
 
 def parsed_to_end(stream: BinaryIO) -> None:
@@ -421,7 +445,8 @@ class _HttpOpener:
                 raise _Transient(f"HTTP status {resp.status}")
             if resp.status not in (200, 206):
                 conn.close()
-                raise ShardError(f"HTTP status {resp.status} {resp.reason}", self.url)
+                error = NotFoundError if resp.status in (404, 410) else ShardError
+                raise error(f"HTTP status {resp.status} {resp.reason}", self.url)
             try:
                 self._same_object(resp, offset)
             except ShardError:
@@ -537,7 +562,8 @@ class _S3Opener:
                                f"{self.version or self.etag}") from None
             if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
                 raise _Transient(f"S3 error {code}") from exc
-            raise ShardError(f"S3 error {code or status}: {exc}", self.url) from None
+            error = NotFoundError if code in ("NoSuchKey", "NoSuchBucket") else ShardError
+            raise error(f"S3 error {code or status}: {exc}", self.url) from None
         except (NoCredentialsError, PartialCredentialsError) as exc:
             raise ShardError(f"S3 credentials are missing or incomplete ({exc}); set "
                              "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile",
