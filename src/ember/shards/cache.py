@@ -20,7 +20,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 __all__ = ["cache_path", "open_cached", "CachingStream", "CachedReader", "evict"]
 
@@ -54,7 +54,7 @@ class CachingStream(io.RawIOBase):
 
     def __init__(self, remote: BinaryIO, final: Path, cache_size: int | None):
         super().__init__()
-        self.remote = remote
+        self.remote = cast(io.RawIOBase, remote)  # a raw stream: it has readinto
         self.final = final
         self.cache_size = cache_size
         self._tmp: Path | None = None

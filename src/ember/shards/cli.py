@@ -17,6 +17,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -155,10 +156,12 @@ def _cat(args) -> int:
 
 
 def _stats(args) -> int:
-    rows, total = [], {"samples": 0, "bytes": 0, "extensions": {}}
+    rows: list[dict] = []
+    total: dict[str, Any] = {"samples": 0, "bytes": 0, "extensions": {}}
     with _progress(_urls(args), args) as bar:
         for url in bar:
-            n, size, exts = 0, 0, {}
+            n, size = 0, 0
+            exts: dict[str, int] = {}
             for s in _read(url, _options(args)):
                 n += 1
                 for k, v in s.items():
@@ -628,7 +631,7 @@ def _shuffle(args) -> int:
     if remote:
         raise ValueError(f"a global shuffle reads samples by byte offset, so it needs local "
                          f"shards, not {remote[0]}; use --buffer N to shuffle through a buffer")
-    compressed = [u for u in urls if _gzipped(local_path(u))]
+    compressed = [u for u in urls if _gzipped(str(local_path(u)))]
     if compressed:
         raise ValueError(f"a global shuffle reads samples by byte offset, so it needs "
                          f"uncompressed shards, not the gzipped {compressed[0]}; use --buffer N "

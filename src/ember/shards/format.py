@@ -7,6 +7,7 @@ sample is.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from ember.shards.errors import FormatError
 
@@ -66,7 +67,7 @@ def member_name(key: str, ext: str) -> str:
     return f"{key}.{ext}"
 
 
-def check_sample_names(key: str, exts: Iterable[str]) -> None:
+def check_sample_names(key: Any, exts: Iterable[str]) -> None:
     """Raise FormatError unless ``key`` and ``exts`` survive a write/read round trip unchanged,
     in ember and in webdataset, naming the rule broken."""
     if not isinstance(key, str) or not key:
@@ -132,6 +133,7 @@ def _group_samples(members: Iterable[tuple[str, bytes, int]], url: str) -> Itera
                                   offset)
             current = {"__key__": k, "__url__": url}
             key = k
+        assert current is not None  # (the first member of a sample made it)
         ext = name[dot + 1 :]
         low = lowered.get(ext)
         if low is None:

@@ -23,7 +23,7 @@ import stat
 import struct
 import zlib
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from ember.shards.errors import ShardError, TruncatedShardError
 
@@ -539,7 +539,7 @@ def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
             buf, base, end = src.buf, src.base, src.end
             pos = 0
         if keep:
-            ext.add(kind, payload, url, record_at)
+            ext.add(kind, cast(bytes, payload), url, record_at)
         elif kind != _LONGLINK:
             # links, directories, devices, FIFOs and unknown types are not sample members; the
             # records read for them do not carry over

@@ -47,7 +47,9 @@ def _matching_brace(s: str, start: int) -> int:
 
 
 def _split_top(body: str) -> list[str]:
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in body:
         if ch == "," and depth == 0:
             parts.append("".join(cur))
@@ -404,7 +406,7 @@ class _HttpOpener:
 
         parts = urllib.parse.urlsplit(url)
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = cls(parts.hostname, parts.port, timeout=self.timeout)
+        conn = cls(parts.hostname or "", parts.port, timeout=self.timeout)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         headers = dict(self.headers)
         if offset:
@@ -611,8 +613,8 @@ class _PipeStream(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def read(self, n: int = -1) -> bytes:
-        out = self.proc.stdout
+    def read(self, n: int | None = -1) -> bytes:
+        out = cast(io.BufferedReader, self.proc.stdout)
         # read1: return what the command has written so far instead of waiting for n bytes
         data = out.read1(n) if n is not None and n > 0 else out.read()
         if not data:
