@@ -498,12 +498,53 @@ def _aside(path: str, tmp: str, sub: str = "") -> str:
     return os.path.join(folder, tmp, sub, name) if sub else os.path.join(folder, tmp, name)
 
 
+def _stage_extra(extra: dict[str, bytes], tmp: str) -> list[tuple[str, str]]:
+    """Write the ``extra`` files (path -> bytes) into the temporary folder ``tmp``; returns
+    ``(staged, final)`` pairs."""
+    staged_files = []
+    for path, data in extra.items():
+        staged = _aside(path, tmp)
+        os.makedirs(os.path.dirname(staged), exist_ok=True)
+        with open(staged, "wb") as f:
+            f.write(data)
+        staged_files.append((staged, path))
+    return staged_files
+
+
+def _swap_in(new: list[tuple[str, str]], old: list[str], tmp: str,
+             moved: list[tuple[str, str]], placed: list[str]) -> None:
+    """Move the files they replace aside (recorded in ``moved``), then the new files into their
+    place (recorded in ``placed``), with stop signals held back."""
+    with _no_interrupt():
+        known = {os.path.abspath(p) for p in old}
+        replaced = [*old, *(f for _, f in new
+                            if os.path.lexists(f) and os.path.abspath(f) not in known)]
+        for path in replaced:
+            waiting = _aside(path, tmp, "old")
+            os.makedirs(os.path.dirname(waiting), exist_ok=True)
+            os.replace(path, waiting)
+            moved.append((path, waiting))
+        for staged, final in new:
+            os.replace(staged, final)
+            placed.append(final)
+
+
+def _undo(placed: list[str], moved: list[tuple[str, str]]) -> None:
+    """Remove the new files and put the old ones back."""
+    for path in placed:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    for path, waiting in reversed(moved):
+        os.replace(waiting, path)
+
+
 def _write_all(args, urls: list[str], samples, join: bool = False,
                extra: dict[str, bytes] | None = None) -> int:
     """Write ``samples`` as shards of ``-o`` all or nothing: the shards (and ``extra`` files,
     path -> bytes) are written into a hidden temporary folder next to the output, read back,
     and only then moved into place, the files they replace (``--force``) moved aside first and
-    deleted at the very end. Any failure or Ctrl-C puts the old files back, byte for byte."""
+    deleted at the very end. Any failure or Ctrl-C puts the old files back, byte for byte, and
+    removes the output folders the run made."""
     _check_write_flags(args, urls)
     old = _check_overwrite(args)
     made = _missing_folders(os.path.dirname(os.path.abspath(shard_path(args.output, 0))))
@@ -522,43 +563,22 @@ def _write_all(args, urls: list[str], samples, join: bool = False,
         _check_written(w.shards, keys)
         new = [(p, os.path.join(os.path.dirname(os.path.dirname(p)), os.path.basename(p)))
                for p in w.shards]
-        for path, data in (extra or {}).items():
-            staged = _aside(path, tmp)
-            os.makedirs(os.path.dirname(staged), exist_ok=True)
-            with open(staged, "wb") as f:
-                f.write(data)
-            new.append((staged, path))
-        with _no_interrupt():
-            known = {os.path.abspath(p) for p in old}
-            replaced = [*old, *(f for _, f in new
-                                if os.path.lexists(f) and os.path.abspath(f) not in known)]
-            for path in replaced:
-                waiting = _aside(path, tmp, "old")
-                os.makedirs(os.path.dirname(waiting), exist_ok=True)
-                os.replace(path, waiting)
-                moved.append((path, waiting))
-            for staged, final in new:
-                os.replace(staged, final)
-                placed.append(final)
+        _swap_in(new + _stage_extra(extra or {}, tmp), old, tmp, moved, placed)
         post = _post(getattr(args, "post", None))
         if post is not None:
-            for _, final in new[: len(w.shards)]:
+            for _, final in new:
                 post(final)
         done = True
         args.written = True  # for the message of a Ctrl-C that comes from here on
     finally:
         with _no_interrupt():
             if not done:  # a failed command leaves no new files and every old one as it was
-                for path in placed:
-                    with contextlib.suppress(OSError):
-                        os.remove(path)
-                for path, waiting in reversed(moved):
-                    os.replace(waiting, path)
+                _undo(placed, moved)
             folders = {os.path.dirname(shard_path(w.pattern, i)) for i in range(w.shard)}
             folders |= {os.path.dirname(_aside(p, tmp)) for p in [*(extra or {}), *old]}
             for folder in folders:  # the temporary folders: partial shards, old files
                 shutil.rmtree(folder, ignore_errors=True)
-            if not done:  # and the output folders made for this run, now empty
+            if not done:  # the folders made for the temporary folder, now empty
                 for folder in made:
                     with contextlib.suppress(OSError):
                         os.rmdir(folder)
