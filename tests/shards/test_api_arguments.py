@@ -1,5 +1,5 @@
 """Numeric arguments of the ShardDataset / ShardLoader API are checked as torch checks its
-functions' arguments (issue 26): a value of the wrong type is a TypeError, one out of range a
+functions' arguments: a value of the wrong type is a TypeError, one out of range a
 ValueError, and the message names the argument."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_integer_types_are_accepted():
     (lambda ds: ShardLoader(ds).set_epoch(1.5), TypeError, "epoch"),
 ])
 def test_every_count_and_number_is_checked_naming_the_argument(call, error, name):
-    # found by the audit of issue 26: these took int(2.5) == 2 silently
+    # found by an audit: these took int(2.5) == 2 silently
     with pytest.raises(error, match=rf"\b{name}\b"):
         call(ShardDataset("a.tar"))
 

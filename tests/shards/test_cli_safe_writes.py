@@ -1,4 +1,4 @@
-"""Shard-writing commands and writers never leave bad or partial shards (issue 15), on shards
+"""Shard-writing commands and writers never leave bad or partial shards, on shards
 written by the webdataset package with keys that restart at 0 in every shard."""
 
 from __future__ import annotations
