@@ -112,3 +112,5 @@ def test_url_options_replace_the_url_keywords_which_still_work_deprecated(tmp_pa
         UrlOptions(headers={"X-A": 1})
     with pytest.raises(ValueError, match="backoff"):
         UrlOptions(backoff=-1)
+    # hashable, as a frozen dataclass is, headers and all
+    assert hash(UrlOptions(headers={"a": "1"})) == hash(UrlOptions(headers={"a": "1"}))

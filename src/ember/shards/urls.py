@@ -119,7 +119,7 @@ class UrlOptions:
     timeout: float = 60.0
     retries: int = 5
     backoff: float = 0.2
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict, hash=False)
     allow_pipe: bool = False
     s3_endpoint: str | None = None
     cache_dir: str | None = None
