@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ember.shards import ShardDataset, ShardLoader, ShardWriter, tar
+from ember.shards import ShardDataset, ShardLoader, ShardWriter, UrlOptions, tar
 
 SIZES = {"1KB": (1000, 40000), "10KB": (10_000, 20000), "100KB": (100_000, 4000)}
 WORKERS = (0, 2)
@@ -151,11 +151,12 @@ def _features(d: str, label: str, files: list[str], n: int, repeat: int) -> list
     base = _server(d)
     urls = [f"{base}/{os.path.basename(f)}" for f in files]
     cache = tempfile.mkdtemp(dir=d)
-    _read(ShardDataset(urls, shuffle_shards=False, cache_dir=cache), 0, n)  # epoch 1 fills it
+    options = UrlOptions(cache_dir=str(cache))
+    _read(ShardDataset(urls, shuffle_shards=False, url_options=options), 0, n)  # epoch 1 fills it
     local, cached, resampled = [], [], []
     for _ in range(repeat):
         local.append(_read(ShardDataset(files, shuffle_shards=False), 0, n))
-        cached.append(_read(ShardDataset(urls, shuffle_shards=False, cache_dir=cache), 0, n))
+        cached.append(_read(ShardDataset(urls, shuffle_shards=False, url_options=options), 0, n))
         resampled.append(_read(ShardDataset(files, resampled=True).with_epoch(n), 0, n))
     tl = min(local)
     return [{"case": f"cache_dir 2nd epoch {label}", "feature_sps": n / min(cached),

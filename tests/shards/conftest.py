@@ -119,3 +119,23 @@ def implementation(request, monkeypatch):
     """Runs a test once with the compiled tar scanner and grouper and once with pure Python."""
     use_implementation(monkeypatch, request.param)
     return request.param
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """An S3 endpoint on 127.0.0.1 (moto's server) with test credentials in the environment."""
+    pytest.importorskip("boto3")
+    server_mod = pytest.importorskip("moto.server")
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("EMBER_S3_ENDPOINT_URL", raising=False)
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()

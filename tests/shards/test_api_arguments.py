@@ -1,5 +1,5 @@
 """Numeric arguments of the ShardDataset / ShardLoader API are checked as torch checks its
-functions' arguments (issue 26): a value of the wrong type is a TypeError, one out of range a
+functions' arguments: a value of the wrong type is a TypeError, one out of range a
 ValueError, and the message names the argument."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_integer_types_are_accepted():
     (lambda ds: ShardLoader(ds).set_epoch(1.5), TypeError, "epoch"),
 ])
 def test_every_count_and_number_is_checked_naming_the_argument(call, error, name):
-    # found by the audit of issue 26: these took int(2.5) == 2 silently
+    # found by an audit: these took int(2.5) == 2 silently
     with pytest.raises(error, match=rf"\b{name}\b"):
         call(ShardDataset("a.tar"))
 
@@ -91,3 +91,26 @@ def test_checked_arguments_keep_working_with_numpy_and_plain_values():
     assert ds.length == 4 and ds.epoch_length == 3 and ds.stages[-2][1] == (1, None, 2)
     loader = ShardLoader(ds, num_workers=np.int64(0), transfer_memory=0).with_length(2)
     assert loader.num_workers == 0 and len(loader) == 2
+
+
+def test_url_options_replace_the_url_keywords_which_still_work_deprecated(tmp_path):
+    from ember.shards import UrlOptions
+
+    options = UrlOptions(timeout=5, retries=0, headers={"X-A": "1"}, cache_dir=tmp_path)
+    ds = ShardDataset("a.tar", url_options=options)
+    assert ds.options == options and ds.options.cache_dir == str(tmp_path)
+    with pytest.warns(DeprecationWarning, match="url_options="):
+        old = ShardDataset("a.tar", timeout=5, retries=0, cache_dir=tmp_path)
+    assert old.options == UrlOptions(timeout=5, retries=0, cache_dir=str(tmp_path))
+    with pytest.raises(TypeError, match="inside url_options="):
+        ShardDataset("a.tar", url_options=options, timeout=1)
+    with pytest.raises(TypeError, match="'colour'"):
+        ShardDataset("a.tar", colour=1)
+    with pytest.raises(TypeError, match="url_options must be a UrlOptions"):
+        ShardDataset("a.tar", url_options={"timeout": 1})
+    with pytest.raises(TypeError, match="headers"):
+        UrlOptions(headers={"X-A": 1})
+    with pytest.raises(ValueError, match="backoff"):
+        UrlOptions(backoff=-1)
+    # hashable, as a frozen dataclass is, headers and all
+    assert hash(UrlOptions(headers={"a": "1"})) == hash(UrlOptions(headers={"a": "1"}))

@@ -144,3 +144,23 @@ def test_equalize_over_http_without_indexes_warns(tmp_path):
         ds = ShardDataset(urls, equalize="drop", cache_dir=cache)
         assert sorted(_keys(ds)) == sorted(keys)
         assert all(hits[p] == before[p] + 1 for p in files)
+
+
+@pytest.mark.parametrize("bad", ["cut", "garbage"])
+def test_a_cut_short_or_garbage_download_is_not_cached(tmp_path, bad):
+    # the server sends a complete HTTP response whose body is not the whole shard: the first
+    # part of it (cut at a sample boundary, Content-Length matching), or garbage
+    files, keys = _wds_files(tmp_path, nshards=1, per_shard=6)
+    (p, data), = files.items()
+    first = data[: 512 * 5] if bad == "cut" else b"<html>not a tar</html>" * 50
+    cache = tmp_path / "cache"
+    with _http({p: [first, data]}) as (base, hits):
+        ds = ShardDataset([base + p], cache_dir=cache, on_error="skip")
+        assert len(_keys(ds)) < len(keys)
+        assert ds.error_count == 1
+        assert _cache_files(cache) == []  # neither a final copy nor a temporary file
+        assert _keys(ShardDataset([base + p], cache_dir=cache)) == keys  # downloaded again
+        assert hits[p] == 2
+        assert _keys(ShardDataset([base + p], cache_dir=cache)) == keys  # now from the copy
+        assert hits[p] == 2
+    assert cache_path(cache, base + p).read_bytes() == data

@@ -123,15 +123,15 @@ def test_index_writes_idx_files(shards, capsys):
 
 
 def test_shards_without_subcommand_prints_help(capsys):
-    assert main(["shards"]) == 0
-    assert "verify" in capsys.readouterr().out
+    assert main(["shards"]) == 2
+    assert "verify" in capsys.readouterr().err
 
 
 def test_cat_plain_lists_field_sizes(shards, capsys):
     pattern, keys = shards
     assert main(["shards", "cat", pattern, "-n", "12"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    # sizes are labelled as bytes: "cls=1" read as class 1 (issue 26)
+    # sizes are labelled as bytes: "cls=1" read as class 1
     assert lines[0] == f"{keys[0]}  bin: 16 bytes, cls: 1 bytes"
     assert lines[11] == f"{keys[11]}  bin: 16 bytes, cls: 2 bytes"  # after 12, across shards
     assert len(lines) == 12

@@ -168,7 +168,7 @@ def test_keyboard_interrupt_is_one_line_and_status_130(big, old_output, action, 
     code, _, err = ember(action, inputs, "-o", str(tmp_path / "new" / "n-%03d.tar"), "-q")
     assert code == 130
     assert err.splitlines() == [f"ember shards {action}: interrupted; nothing was written"]
-    assert not list((tmp_path / "new").rglob("*"))
+    assert not (tmp_path / "new").exists()  # not even the folder the run made
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to another process is POSIX")

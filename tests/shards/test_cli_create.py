@@ -1,4 +1,4 @@
-"""``ember shards create`` from an image folder and a file list, ``--post`` (issue 15); round
+"""``ember shards create`` from an image folder and a file list, ``--post``; round
 trips through webdataset."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_create_from_image_folder_reads_back_in_webdataset(image_folder, tmp_pat
 def test_create_from_file_list(tmp_path, capsys):
     for name in ["a/x.jpg", "a/x.json", "b/y.jpg"]:
         (tmp_path / name).parent.mkdir(exist_ok=True)
-        if name.endswith(".jpg"):  # create decodes every image (issue 26): a real JPEG
+        if name.endswith(".jpg"):  # create decodes every image: a real JPEG
             Image.new("RGB", (6, 4), (200, 10, 10)).save(tmp_path / name, format="JPEG")
         else:
             (tmp_path / name).write_bytes(name.encode())
@@ -136,7 +136,7 @@ def test_create_reads_a_tar_stream_from_stdin(tmp_path, monkeypatch, capsys, mak
     assert main(["shards", "create", "-", "-o", str(out), "--maxcount", "3", "-q"]) == 0
     assert "wrote 7 samples to 3 shards" in capsys.readouterr().out
     got = list(wds.WebDataset(expand_urls(str(tmp_path / "o-{00..02}.tar")), shardshuffle=False))
-    # keys lose tar's leading "./" (issue 26)
+    # keys lose tar's leading "./"
     assert [s["__key__"] for s in got] == [f"s{j}" for j in range(7)]
     assert [s["txt"] for s in got] == [f"text {j}".encode() for j in range(7)]
 

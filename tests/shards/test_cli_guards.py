@@ -1,4 +1,4 @@
-"""``ember shards`` on a user's own files through the ``ember`` entry point (issue 26):
+"""``ember shards`` on a user's own files through the ``ember`` entry point:
 ``create`` decodes every image, no command writes over existing shards without ``--force``,
 ``-`` works where help says so, sizes and units read as what they are, and every refusal is one
 line ``ember shards ACTION: error: ...`` with exit status 2. The tar pipe and one refusal of

@@ -1,4 +1,4 @@
-"""Shard-writing commands and writers never leave bad or partial shards (issue 15), on shards
+"""Shard-writing commands and writers never leave bad or partial shards, on shards
 written by the webdataset package with keys that restart at 0 in every shard."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_failed_split_leaves_no_shard_behind(tmp_path, capsys):
     out = tmp_path / "out" / "split-%03d.tar"
     assert main(["shards", "split", good, bad, "-o", str(out), "--maxcount", "10", "-q"]) == 2
     assert "error" in capsys.readouterr().err
-    assert not list((tmp_path / "out").iterdir())
+    assert not (tmp_path / "out").exists()  # not even the folder the run made
 
 
 def test_shard_writer_exception_inside_with_leaves_no_partial_shard(tmp_path):

@@ -1,5 +1,5 @@
 """Image decode specs match webdataset 1.0's decoder on the same bytes, and webdataset's
-published ImageNet-style pipeline runs in ember (issue 15)."""
+published ImageNet-style pipeline runs in ember."""
 
 from __future__ import annotations
 

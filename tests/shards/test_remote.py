@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import os
 import threading
 import time
@@ -26,7 +27,9 @@ def _read(path) -> bytes:
 def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_range: bool = True):
     """Serve ``files`` on 127.0.0.1 at an ephemeral port; ``drop[path]`` responses for that path
     send only a third of the body and close the connection (-1: every response, sending no body
-    at all, so no attempt makes progress)."""
+    at all, so no attempt makes progress). A list of bytes as a file serves its n-th entry to
+    the n-th request (the last one from then on). Every response has an ETag (a hash of the
+    body's file), and a Range is honoured only where an If-Range sent with it matches."""
     drop = dict(drop or {})
     hits: dict[str, int] = {}
     lock = threading.Lock()
@@ -39,6 +42,8 @@ def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_ra
             data = files.get(self.path)
             with lock:
                 hits[self.path] = hits.get(self.path, 0) + 1
+                if isinstance(data, list):
+                    data = data[min(hits[self.path], len(data)) - 1]
                 left = drop.get(self.path, 0)
                 if left > 0:
                     drop[self.path] = left - 1
@@ -46,12 +51,15 @@ def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_ra
                 self.send_error(404)
                 return
             start = 0
+            etag = f'"{hashlib.sha1(data).hexdigest()}"'
             rng = self.headers.get("Range")
-            if rng and honour_range:
+            if_range = self.headers.get("If-Range")
+            if rng and honour_range and if_range in (None, etag):
                 start = int(rng.split("=")[1].split("-")[0])
             body = data[start:]
             self.send_response(206 if start else 200)
             self.send_header("Content-Length", str(len(body)))
+            self.send_header("ETag", etag)
             self.end_headers()
             if left != 0:
                 if left > 0:
@@ -133,25 +141,6 @@ def test_http_missing_shard_is_an_error_or_skipped(shards):
         assert ei.value.url == base + "/missing.tar"
         ds = ShardDataset(urls, shuffle_shards=False, timeout=5, on_error="skip")
         assert [s["__key__"] for s in ds] == keys and ds.error_count == 1
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    pytest.importorskip("boto3")
-    server_mod = pytest.importorskip("moto.server")
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    monkeypatch.delenv("EMBER_S3_ENDPOINT_URL", raising=False)
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
 
 
 def test_s3_shards_via_endpoint(s3, shards):

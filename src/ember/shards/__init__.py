@@ -8,7 +8,13 @@ Reading: :class:`ShardDataset` (an IterableDataset with a webdataset-like fluent
 
 from ember.shards.dataset import ShardDataset, ShardLoader, iter_shard, rank_and_world
 from ember.shards.decode import Decoder, handle_extension, imagehandler
-from ember.shards.errors import DecodeError, FormatError, ShardError, TruncatedShardError
+from ember.shards.errors import (
+    DecodeError,
+    FormatError,
+    NotFoundError,
+    ShardError,
+    TruncatedShardError,
+)
 from ember.shards.format import group_samples, split_name
 from ember.shards.ray_loader import RayShardLoader
 from ember.shards.stages import (
@@ -18,15 +24,15 @@ from ember.shards.stages import (
     warn_and_continue,
     warn_and_stop,
 )
-from ember.shards.urls import UrlOptions, expand_urls, local_path, open_url
+from ember.shards.urls import UrlOptions, expand_urls, local_path, open_url, register_opener
 from ember.shards.writer import ShardWriter, TarWriter, encode_field
 
 __all__ = [
     "ShardDataset", "ShardLoader", "iter_shard", "rank_and_world", "RayShardLoader",
     "Decoder", "handle_extension", "imagehandler",
-    "ShardError", "FormatError", "TruncatedShardError", "DecodeError",
+    "ShardError", "NotFoundError", "FormatError", "TruncatedShardError", "DecodeError",
     "split_name", "group_samples", "default_collate",
     "reraise_exception", "warn_and_continue", "ignore_and_continue", "warn_and_stop",
-    "expand_urls", "open_url", "local_path", "UrlOptions",
+    "expand_urls", "open_url", "local_path", "UrlOptions", "register_opener",
     "TarWriter", "ShardWriter", "encode_field",
 ]

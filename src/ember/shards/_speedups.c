@@ -250,6 +250,37 @@ static PyObject *lower_extension(Grouper *g, PyObject *ext)
     return low;
 }
 
+/* format.is_metadata: a name without '/' that starts and ends with "__", or one whose first
+ * path part is "__x__" (at least four characters). */
+static int is_metadata(PyObject *name, Py_ssize_t len)
+{
+    Py_ssize_t first = PyUnicode_FindChar(name, '/', 0, len, 1);
+    Py_ssize_t end = first < 0 ? len : first;
+    if (first == -2) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (len < 2 || PyUnicode_READ_CHAR(name, 1) != '_')
+        return 0;
+    if (first >= 0 && end < 4)
+        return 0;
+    return PyUnicode_READ_CHAR(name, end - 1) == '_' && PyUnicode_READ_CHAR(name, end - 2) == '_';
+}
+
+/* Whether a key has a ".." path part. */
+static int has_dotdot_part(PyObject *key)
+{
+    Py_ssize_t len = PyUnicode_GET_LENGTH(key);
+    Py_ssize_t i;
+    for (i = 0; i + 1 < len; i++) {
+        if (PyUnicode_READ_CHAR(key, i) == '.' && PyUnicode_READ_CHAR(key, i + 1) == '.' &&
+            (i == 0 || PyUnicode_READ_CHAR(key, i - 1) == '/') &&
+            (i + 2 == len || PyUnicode_READ_CHAR(key, i + 2) == '/'))
+            return 1;
+    }
+    return 0;
+}
+
 /* Put a member into the sample being filled; a member with a new key first moves the filled
  * sample to *done (it is returned before this member is taken in). Returns -1 on error. */
 static int add_member(Grouper *g, PyObject *item, PyObject **done)
@@ -276,16 +307,10 @@ static int add_member(Grouper *g, PyObject *item, PyObject **done)
     dot = PyUnicode_FindChar(name, '.', slash, len, 1);
     if (dot == -2)
         return -1;
-    if (dot < 0)
-        return 0; /* no extension: not a sample member */
-    if (PyUnicode_READ_CHAR(name, slash) == '_') {
-        Py_ssize_t head = PyUnicode_Tailmatch(name, str_dunder, slash, len, -1);
-        Py_ssize_t tail = head == 1 ? PyUnicode_Tailmatch(name, str_dunder, 0, len, 1) : 0;
-        if (head < 0 || tail < 0)
-            return -1;
-        if (head && tail)
-            return 0; /* metadata such as __meta__ */
-    }
+    if (dot <= slash)
+        return 0; /* no extension, or a hidden basename: not a sample member */
+    if (PyUnicode_READ_CHAR(name, 0) == '_' && is_metadata(name, len))
+        return 0; /* webdataset's metadata pattern: __meta__, __meta__/x.json */
     key = PyUnicode_Substring(name, 0, dot);
     if (key == NULL)
         return -1;
@@ -303,6 +328,15 @@ static int add_member(Grouper *g, PyObject *item, PyObject **done)
             Py_INCREF(item);
             g->pending = item;
             return 0;
+        }
+        if (PyUnicode_READ_CHAR(name, 0) == '/' || has_dotdot_part(key)) {
+            /* a key holds its unsafe part: only the first member of a sample needs the check */
+            Py_DECREF(key);
+            format_error(g, PyUnicode_FromFormat("member name %R is unsafe (%s)", name,
+                                                 PyUnicode_READ_CHAR(name, 0) == '/'
+                                                     ? "an absolute path" : "a '..' part"),
+                         offset);
+            return -1;
         }
         g->current = PyDict_New();
         if (g->current == NULL || PyDict_SetItem(g->current, str_key, key) < 0 ||

@@ -2,11 +2,12 @@
 reads open the copy.
 
 A shard is written to a temporary file of its own (unique name, created exclusively) while it is
-being read, and renamed to its final name only after the whole shard arrived; a failed or
-abandoned read removes the temporary file. Several workers and ranks may cache the same shard at
-once: each writes its own temporary file and the renames are atomic, so a reader only ever sees
-complete copies. The cache is bounded by ``cache_size`` bytes: after each new copy the least
-recently used copies are removed until the rest fits. Portable: no file locks are needed.
+being read, and renamed to its final name only once the tar parser reached the end of the archive
+without an error (the reader calls :meth:`CachedReader.complete`); a failed, cut-short, garbage or
+abandoned read removes the temporary file instead. Several workers and ranks may cache the same
+shard at once: each writes its own temporary file and the renames are atomic, so a reader only
+ever sees complete copies. The cache is bounded by ``cache_size`` bytes: after each new copy the
+least recently used copies are removed until the rest fits. Portable: no file locks are needed.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
-__all__ = ["cache_path", "open_cached", "CachingStream", "evict"]
+__all__ = ["cache_path", "open_cached", "CachingStream", "CachedReader", "evict"]
 
 PART = ".part"
-DRAIN_LIMIT = 1 << 20  # bytes still read at close to complete a copy (tar padding after the end)
+DRAIN_LIMIT = 1 << 20  # bytes still read after the end of the archive (padding) to complete a copy
 STALE_PART_SECONDS = 3600.0
 
 
@@ -47,18 +48,19 @@ def open_cached(path: Path) -> BinaryIO | None:
 
 
 class CachingStream(io.RawIOBase):
-    """Reads ``remote`` and writes what it reads to a temporary file, renamed to ``final`` once
-    the end of ``remote`` was reached (at close, up to ``DRAIN_LIMIT`` unread bytes are read to
-    get there); removed on any error or an early close."""
+    """Reads ``remote`` and writes what it reads to a temporary file, renamed to ``final`` by
+    :meth:`complete` (after reading up to ``DRAIN_LIMIT`` bytes that follow, to the end of
+    ``remote``); removed on any error, and at a close without :meth:`complete`."""
 
     def __init__(self, remote: BinaryIO, final: Path, cache_size: int | None):
         super().__init__()
-        self.remote = remote
+        self.remote = cast(io.RawIOBase, remote)  # a raw stream: it has readinto
         self.final = final
         self.cache_size = cache_size
         self._tmp: Path | None = None
-        self._file = None
-        self._finished = False
+        self._file: BinaryIO | None = None
+        self._ended = False  # the end of remote was reached
+        self._done = False  # the copy was kept or discarded
 
     def readable(self) -> bool:
         return True
@@ -73,23 +75,42 @@ class CachingStream(io.RawIOBase):
         self._file.write(data)
 
     def readinto(self, b) -> int:
-        if self._finished:
+        if self._ended:
             return 0
         try:
             n = self.remote.readinto(b)
             if n:
-                self._write(memoryview(b)[:n])
+                if not self._done:
+                    self._write(memoryview(b)[:n])
             else:
-                self._finish()
+                self._ended = True
             return n
         except BaseException:
             self._discard()
             raise
 
-    def _finish(self) -> None:
-        self._finished = True
+    def complete(self) -> None:
+        """The shard read so far is whole and valid: read on to the end of ``remote`` (at most
+        ``DRAIN_LIMIT`` bytes) and keep the copy; discard it if the end is not reached."""
+        if self._done:
+            return
+        buf = bytearray(1 << 16)
+        left = DRAIN_LIMIT
+        try:
+            while left > 0 and not self._ended:
+                left -= self.readinto(buf)
+        except Exception:
+            return  # _discard already ran: nothing partial stays
+        if not self._ended:
+            self._discard()  # more follows the archive than padding: not a copy of a shard
+            return
+        self._keep()
+
+    def _keep(self) -> None:
+        self._done = True
         if self._file is None:
-            self._write(b"")  # an empty remote file is cached as such
+            self._write(b"")
+        assert self._file is not None and self._tmp is not None
         self._file.close()
         size = self._tmp.stat().st_size
         if self.cache_size is not None and size > self.cache_size:
@@ -105,7 +126,7 @@ class CachingStream(io.RawIOBase):
             evict(self.final.parent, self.cache_size, keep=self.final)
 
     def _discard(self) -> None:
-        self._finished = True
+        self._done = True
         if self._file is not None:
             self._file.close()
         if self._tmp is not None:
@@ -117,19 +138,20 @@ class CachingStream(io.RawIOBase):
         if self.closed:
             return
         try:
-            if not self._finished:
-                try:
-                    buf = bytearray(1 << 16)
-                    left = DRAIN_LIMIT
-                    while left > 0 and not self._finished:
-                        left -= self.readinto(buf) or 0
-                except Exception:
-                    pass  # _discard already ran: nothing partial stays
-                if not self._finished:
-                    self._discard()  # abandoned well before the end
+            self._discard()  # a no-op after complete()
         finally:
             self.remote.close()
             super().close()
+
+
+class CachedReader(io.BufferedReader):
+    """A buffered :class:`CachingStream`; :meth:`complete` keeps the copy."""
+
+    def complete(self) -> None:
+        """Called by the reader once the tar parser reached the archive's end without an error."""
+        raw = self.raw
+        if isinstance(raw, CachingStream):
+            raw.complete()
 
 
 def evict(cache_dir: Path, cache_size: int, keep: Path | None = None) -> None:

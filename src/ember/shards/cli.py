@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -16,6 +17,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -23,6 +25,7 @@ from tqdm import tqdm
 from ember.shards.dataset import ShardDataset
 from ember.shards.decode import IMAGE_EXTENSIONS, MAX_PIXELS
 from ember.shards.errors import ShardError
+from ember.shards.format import is_metadata
 from ember.shards.index import (
     INDEX_SUFFIX,
     build_index,
@@ -33,7 +36,7 @@ from ember.shards.index import (
     write_index,
 )
 from ember.shards.reading import _samples, iter_shard
-from ember.shards.urls import UrlOptions, expand_urls, local_path
+from ember.shards.urls import UrlOptions, expand_urls, file_beside, local_path
 from ember.shards.writer import ShardWriter, TarWriter, shard_path
 
 __all__ = ["register"]
@@ -153,10 +156,12 @@ def _cat(args) -> int:
 
 
 def _stats(args) -> int:
-    rows, total = [], {"samples": 0, "bytes": 0, "extensions": {}}
+    rows: list[dict] = []
+    total: dict[str, Any] = {"samples": 0, "bytes": 0, "extensions": {}}
     with _progress(_urls(args), args) as bar:
         for url in bar:
-            n, size, exts = 0, 0, {}
+            n, size = 0, 0
+            exts: dict[str, int] = {}
             for s in _read(url, _options(args)):
                 n += 1
                 for k, v in s.items():
@@ -474,6 +479,18 @@ def _check_out_folder(pattern: str) -> None:
         raise ValueError(f"-o: {path} is a file, not a folder")
 
 
+def _missing_folders(folder: str) -> list[str]:
+    """The folders of ``folder``'s path that do not exist yet, deepest first."""
+    missing = []
+    while not os.path.exists(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return missing
+
+
 def _aside(path: str, tmp: str, sub: str = "") -> str:
     """Where ``path`` waits in the temporary folder ``tmp`` (a name) of its own folder (in its
     subfolder ``sub``, if given)."""
@@ -481,15 +498,56 @@ def _aside(path: str, tmp: str, sub: str = "") -> str:
     return os.path.join(folder, tmp, sub, name) if sub else os.path.join(folder, tmp, name)
 
 
+def _stage_extra(extra: dict[str, bytes], tmp: str) -> list[tuple[str, str]]:
+    """Write the ``extra`` files (path -> bytes) into the temporary folder ``tmp``; returns
+    ``(staged, final)`` pairs."""
+    staged_files = []
+    for path, data in extra.items():
+        staged = _aside(path, tmp)
+        os.makedirs(os.path.dirname(staged), exist_ok=True)
+        with open(staged, "wb") as f:
+            f.write(data)
+        staged_files.append((staged, path))
+    return staged_files
+
+
+def _swap_in(new: list[tuple[str, str]], old: list[str], tmp: str,
+             moved: list[tuple[str, str]], placed: list[str]) -> None:
+    """Move the files they replace aside (recorded in ``moved``), then the new files into their
+    place (recorded in ``placed``), with stop signals held back."""
+    with _no_interrupt():
+        known = {os.path.abspath(p) for p in old}
+        replaced = [*old, *(f for _, f in new
+                            if os.path.lexists(f) and os.path.abspath(f) not in known)]
+        for path in replaced:
+            waiting = _aside(path, tmp, "old")
+            os.makedirs(os.path.dirname(waiting), exist_ok=True)
+            os.replace(path, waiting)
+            moved.append((path, waiting))
+        for staged, final in new:
+            os.replace(staged, final)
+            placed.append(final)
+
+
+def _undo(placed: list[str], moved: list[tuple[str, str]]) -> None:
+    """Remove the new files and put the old ones back."""
+    for path in placed:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    for path, waiting in reversed(moved):
+        os.replace(waiting, path)
+
+
 def _write_all(args, urls: list[str], samples, join: bool = False,
                extra: dict[str, bytes] | None = None) -> int:
     """Write ``samples`` as shards of ``-o`` all or nothing: the shards (and ``extra`` files,
     path -> bytes) are written into a hidden temporary folder next to the output, read back,
     and only then moved into place, the files they replace (``--force``) moved aside first and
-    deleted at the very end. Any failure or Ctrl-C puts the old files back, byte for byte."""
-    _check_output(args.output, urls)
-    _check_out_folder(args.output)
+    deleted at the very end. Any failure or Ctrl-C puts the old files back, byte for byte, and
+    removes the output folders the run made."""
+    _check_write_flags(args, urls)
     old = _check_overwrite(args)
+    made = _missing_folders(os.path.dirname(os.path.abspath(shard_path(args.output, 0))))
     tmp = f".ember-writing-{uuid.uuid4().hex[:12]}"  # no '%' or braces: a pattern stays one
     head, base = os.path.split(args.output)
     w = _writer(args, os.path.join(head, tmp, base))
@@ -505,42 +563,25 @@ def _write_all(args, urls: list[str], samples, join: bool = False,
         _check_written(w.shards, keys)
         new = [(p, os.path.join(os.path.dirname(os.path.dirname(p)), os.path.basename(p)))
                for p in w.shards]
-        for path, data in (extra or {}).items():
-            staged = _aside(path, tmp)
-            os.makedirs(os.path.dirname(staged), exist_ok=True)
-            with open(staged, "wb") as f:
-                f.write(data)
-            new.append((staged, path))
-        with _no_interrupt():
-            known = {os.path.abspath(p) for p in old}
-            replaced = [*old, *(f for _, f in new
-                                if os.path.lexists(f) and os.path.abspath(f) not in known)]
-            for path in replaced:
-                waiting = _aside(path, tmp, "old")
-                os.makedirs(os.path.dirname(waiting), exist_ok=True)
-                os.replace(path, waiting)
-                moved.append((path, waiting))
-            for staged, final in new:
-                os.replace(staged, final)
-                placed.append(final)
+        _swap_in(new + _stage_extra(extra or {}, tmp), old, tmp, moved, placed)
         post = _post(getattr(args, "post", None))
         if post is not None:
-            for _, final in new[: len(w.shards)]:
+            for _, final in new:
                 post(final)
         done = True
         args.written = True  # for the message of a Ctrl-C that comes from here on
     finally:
         with _no_interrupt():
             if not done:  # a failed command leaves no new files and every old one as it was
-                for path in placed:
-                    with contextlib.suppress(OSError):
-                        os.remove(path)
-                for path, waiting in reversed(moved):
-                    os.replace(waiting, path)
+                _undo(placed, moved)
             folders = {os.path.dirname(shard_path(w.pattern, i)) for i in range(w.shard)}
             folders |= {os.path.dirname(_aside(p, tmp)) for p in [*(extra or {}), *old]}
             for folder in folders:  # the temporary folders: partial shards, old files
                 shutil.rmtree(folder, ignore_errors=True)
+            if not done:  # the folders made for the temporary folder, now empty
+                for folder in made:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
     n = len(w.shards)
     print(f"wrote {w.total} sample{'s' * (w.total != 1)} to {n} shard{'s' * (n != 1)} (read back "
           "and checked)"
@@ -548,12 +589,36 @@ def _write_all(args, urls: list[str], samples, join: bool = False,
     return 0
 
 
+def _carried_classes(args, urls: list[str]) -> dict[str, bytes] | None:
+    """The ``classes.json`` beside the input shards, to be written beside -o's shards too; None
+    where there is none. Inputs whose files name other classes are refused."""
+    options = _options(args)
+    found: dict[str, bytes] = {}  # folder -> classes.json
+    for url in urls:
+        if url == "-":
+            continue
+        folder = url.rsplit("/", 1)[0] if local_path(url) is None else \
+            os.path.dirname(os.path.abspath(local_path(url) or ""))
+        if folder not in found:
+            data = file_beside(url, "classes.json", options)
+            if data is not None:
+                found[folder] = data
+    kinds = sorted(set(found.values()))
+    if len(kinds) > 1:
+        where = [f for f, d in found.items() if d != kinds[0]][0]
+        raise ValueError(f"the input shards' classes.json files name other classes (in "
+                         f"{next(iter(found))} and {where}): a label would not mean one class")
+    return _classes_file(args, kinds[0]) if kinds else None
+
+
 def _reshard(args) -> int:
     urls = _urls(args)
     options = _options(args)
+    _check_write_flags(args, urls)
+    extra = _carried_classes(args, urls)
     with _progress(urls, args) as bar:
         return _write_all(args, urls, (s for url in bar for s in _read(url, options)),
-                          join=True)
+                          join=True, extra=extra)
 
 
 def _gzipped(path: str) -> bool:
@@ -576,25 +641,29 @@ def _shuffle(args) -> int:
     _no_stdin(urls, "shuffle reads its input shards more than once")
     if args.buffer < 0:
         raise ValueError(f"--buffer must be >= 0, got {args.buffer}")
+    _check_write_flags(args, urls)
     if args.buffer:
-        ds = ShardDataset(urls, seed=args.seed, allow_pipe=args.allow_pipe).shuffle(args.buffer)
+        extra = _carried_classes(args, urls)
+        ds = ShardDataset(urls, seed=args.seed, url_options=_options(args)).shuffle(args.buffer)
         with _progress(ds, args, unit="sample") as bar:
-            return _write_all(args, urls, bar)
+            return _write_all(args, urls, bar, extra=extra)
     remote = [u for u in urls if local_path(u) is None]
     if remote:
         raise ValueError(f"a global shuffle reads samples by byte offset, so it needs local "
                          f"shards, not {remote[0]}; use --buffer N to shuffle through a buffer")
-    compressed = [u for u in urls if _gzipped(local_path(u))]
+    compressed = [u for u in urls if _gzipped(str(local_path(u)))]
     if compressed:
         raise ValueError(f"a global shuffle reads samples by byte offset, so it needs "
                          f"uncompressed shards, not the gzipped {compressed[0]}; use --buffer N "
                          "to shuffle through a buffer")
+    extra = _carried_classes(args, urls)
     with _progress(urls, args) as bar:
         spans = [(u, (s, e)) for u in bar for _, s, e in build_index(u)["samples"]]
     g = torch.Generator().manual_seed(args.seed)
     order = [spans[i] for i in torch.randperm(len(spans), generator=g).tolist()]
     with _progress(order, args, unit="sample") as bar:
-        return _write_all(args, urls, ({**read_sample(u, span), "__url__": u} for u, span in bar))
+        return _write_all(args, urls, ({**read_sample(u, span), "__url__": u} for u, span in bar),
+                          extra=extra)
 
 
 def _hidden(name: str) -> bool:
@@ -602,66 +671,121 @@ def _hidden(name: str) -> bool:
     return name.startswith(".")
 
 
-def _folder_images(root: str, classes: list[str]
-                   ) -> tuple[list[tuple[int, str, str, str]], list[str], list[str],
-                              list[tuple[str, str]]]:
-    """Every image file of an ImageFolder, as ``(class index, class name, sample key, path)``;
-    then the files left out as not an image by their extension, the hidden files and folders
-    left out (name starting with ``.``; a hidden folder counts once) and the ``(path, key)``
-    pairs whose key is not simply ``class/relative path without extension``.
+@dataclasses.dataclass
+class _Found:
+    """What walking an ImageFolder found: the images as ``(class index, class name, sample key,
+    path)``, and what was left out or changed."""
+
+    images: list[tuple[int, str, str, str]] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)  # not an image by extension
+    hidden: list[str] = dataclasses.field(default_factory=list)  # name starting with '.'
+    loops: list[str] = dataclasses.field(default_factory=list)  # symlinked folders walked already
+    renamed: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, key)
+    empty: list[str] = dataclasses.field(default_factory=list)  # class folders without images
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _walk_class(top: str, found: _Found, seen: set) -> list[tuple[str, str, str]]:
+    """``(relative folder, file name, path)`` of every file under ``top``; symlinked folders are
+    followed, each folder once (one already walked, a loop or a second link, is left out)."""
+    entries = []
+    for folder, dirs, files in os.walk(top, followlinks=True):
+        keep = []
+        for d in sorted(dirs):
+            path = os.path.join(folder, d)
+            ident = _identity(path)
+            if _hidden(d):
+                found.hidden.append(path)
+            elif ident is not None and ident in seen:
+                found.loops.append(path)
+            else:
+                seen.add(ident)
+                keep.append(d)
+        dirs[:] = keep
+        rel = os.path.relpath(folder, top).replace(os.sep, "/")
+        for fname in sorted(files):
+            if _hidden(fname):
+                found.hidden.append(os.path.join(folder, fname))
+            else:
+                entries.append(("" if rel == "." else rel, fname, os.path.join(folder, fname)))
+    return entries
+
+
+def _class_prefix(name: str, classes: list[str]) -> str:
+    """The first part of the keys of class folder ``name``: the name itself, except where
+    webdataset would skip members under it (``__background__``): then without its first
+    ``_``."""
+    if not is_metadata(f"{name}/x"):
+        return name
+    if name[1:] in classes:
+        raise ValueError(f"class folders {name!r} and {name[1:]!r} both exist: webdataset skips "
+                         f"members under {name}/, and keys under {name[1:]}/ are taken; rename "
+                         "one of them")
+    return name[1:]
+
+
+def _class_keys(index: int, name: str, prefix: str, entries: list[tuple[str, str, str]],
+                found: _Found) -> None:
+    """Add the images among ``entries`` (of class folder ``name``) to ``found`` with their keys."""
+    plain: dict[str, list[tuple[str, str, str]]] = {}  # wanted key -> (file name, ext, path)
+    for rel, fname, path in entries:
+        stem, dot, ext = fname.rpartition(".")
+        if not (dot and stem and ext.lower() in IMAGE_EXTENSIONS):
+            found.skipped.append(path)
+            continue
+        head = f"{prefix}/{rel}/" if rel else f"{prefix}/"
+        plain.setdefault(head + stem.replace(".", "_"), []).append((fname, ext, path))
+    if not plain:
+        found.empty.append(name)
+    used: set[str] = set()
+    chosen = []
+    for key, files in plain.items():
+        for fname, ext, path in files:
+            want = key if len(files) == 1 else f"{key}_{ext.lower()}"
+            final, n = want, 1
+            while final in used or (final != key and final in plain):
+                n += 1
+                final = f"{want}-{n}"
+            used.add(final)
+            if final != key or prefix != name or "." in fname.rpartition(".")[0]:
+                found.renamed.append((path, final))
+            chosen.append((index, name, final, path))
+    found.images.extend(sorted(chosen, key=lambda t: t[3]))
+
+
+def _folder_images(root: str, classes: list[str]) -> _Found:
+    """Every image file of an ImageFolder, and the files left out.
 
     Class folders are walked recursively (as torchvision's ``ImageFolder``), so ``cat/2021/a.jpg``
     becomes ``cat/2021/a``. WebDataset splits a member name at the first dot of its last
     component, so dots in a file's stem become ``_``; two files that would share a key
     (``x.jpg`` and ``x.png``) get their extension appended (``x_jpg``, ``x_png``) and, if
-    still equal, a counter. A class folder without an image is refused (as torchvision's
-    ``ImageFolder`` does)."""
-    found, skipped, hidden, renamed, empty = [], [], [], [], []
-    for index, name in enumerate(classes):
-        top = os.path.join(root, name)
-        entries = []  # (relative folder, file name, path)
-        for folder, dirs, files in os.walk(top, followlinks=True):
-            hidden += [os.path.join(folder, d) for d in sorted(dirs) if _hidden(d)]
-            dirs[:] = sorted(d for d in dirs if not _hidden(d))
-            rel = os.path.relpath(folder, top).replace(os.sep, "/")
-            for fname in sorted(files):
-                if _hidden(fname):
-                    hidden.append(os.path.join(folder, fname))
-                else:
-                    entries.append(("" if rel == "." else rel, fname, os.path.join(folder, fname)))
-        plain: dict[str, list[tuple[str, str, str]]] = {}  # wanted key -> (file name, ext, path)
-        for rel, fname, path in entries:
-            stem, dot, ext = fname.rpartition(".")
-            if not (dot and stem and ext.lower() in IMAGE_EXTENSIONS):
-                skipped.append(path)
-                continue
-            prefix = f"{name}/{rel}/" if rel else f"{name}/"
-            plain.setdefault(prefix + stem.replace(".", "_"), []).append((fname, ext, path))
-        if not plain:
-            empty.append(top)
-        used: set[str] = set()
-        chosen = []
-        for key, files in plain.items():
-            for fname, ext, path in files:
-                want = key if len(files) == 1 else f"{key}_{ext.lower()}"
-                final, n = want, 1
-                while final in used or (final != key and final in plain):
-                    n += 1
-                    final = f"{want}-{n}"
-                used.add(final)
-                if final != key or "." in fname.rpartition(".")[0]:
-                    renamed.append((path, final))
-                chosen.append((index, name, final, path))
-        found.extend(sorted(chosen, key=lambda t: t[3]))
-    if not found:
+    still equal, a counter. A class folder whose name webdataset reserves (``__background__``)
+    gives keys without its first ``_``. A class folder without an image is refused (as
+    torchvision's ``ImageFolder`` does)."""
+    found = _Found()
+    tops = [os.path.join(root, name) for name in classes]
+    seen = {_identity(p) for p in [root, *tops]}
+    for index, (name, top) in enumerate(zip(classes, tops, strict=True)):
+        _class_keys(index, name, _class_prefix(name, classes), _walk_class(top, found, seen),
+                    found)
+    if not found.images:
         raise ValueError(f"{root} has no image files in its class subfolders (by extension: "
                          f"{', '.join(sorted(IMAGE_EXTENSIONS))})")
-    if empty:
+    if found.empty:
+        empty = found.empty
         more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
-        raise ValueError(f"class folder {empty[0]}{more} has no image files; every class needs "
-                         "at least one (as torchvision's ImageFolder), so add images or remove "
-                         "the folder")
-    return found, skipped, hidden, renamed
+        raise ValueError(f"class folder {os.path.join(root, empty[0])}{more} has no image files; "
+                         "every class needs at least one (as torchvision's ImageFolder), so add "
+                         "images or remove the folder")
+    return found
 
 
 def _folder_samples(images: list[tuple[int, str, str, str]]):
@@ -672,10 +796,10 @@ def _folder_samples(images: list[tuple[int, str, str, str]]):
         yield {"__key__": key, ext: data, "cls": str(index).encode(), "__path__": path}
 
 
-def _say_left_out(skipped: list[str], hidden: list[str], renamed: list[tuple[str, str]]
-                  ) -> None:
-    """One line for the files left out (hidden, or not an image) and one for keys that differ
-    from file names."""
+def _say_left_out(found: _Found) -> None:
+    """One line for the files left out (hidden, or not an image), one for the symlinked folders
+    walked already, and one for keys that differ from file names."""
+    skipped, hidden, renamed = found.skipped, found.hidden, found.renamed
     if skipped or hidden:
         n = len(skipped) + len(hidden)
         why = []
@@ -689,12 +813,17 @@ def _say_left_out(skipped: list[str], hidden: list[str], renamed: list[tuple[str
             noun = "file" if n == 1 else "files"
         print(f"ember shards create: left out {n} {noun}: "
               f"{', '.join(why)} (first: {(hidden or skipped)[0]})", file=sys.stderr)
+    if found.loops:
+        n = len(found.loops)
+        print(f"ember shards create: left out {n} symlinked folder{'s' * (n != 1)} already walked "
+              f"(a symlink loop, or a second link to a folder; each file is written once): "
+              f"{', '.join(found.loops)}", file=sys.stderr)
     if renamed:
         n = len(renamed)
         path, key = renamed[0]
         print(f"ember shards create: {n} sample key{'s differ' if n != 1 else ' differs'} from "
-              f"the file name{'s' * (n != 1)} (dots in a name, or one name in two formats; "
-              f"first: {path} -> key {key!r})", file=sys.stderr)
+              f"the file name{'s' * (n != 1)} (dots in a name, one name in two formats, or a "
+              f"class name webdataset reserves; first: {path} -> key {key!r})", file=sys.stderr)
 
 
 def _image_problem(data: bytes) -> str | None:
@@ -718,21 +847,36 @@ def _image_problem(data: bytes) -> str | None:
     return None
 
 
-def _checked_images(samples, source: str):
+def _checked_images(samples, source: str, bad: list[str] | None = None):
     """The samples, each image field decoded once to prove it is an image (a text file named
     ``x.png`` is refused here instead of failing later in training); keys lose a leading
-    ``./`` (as `tar cf - -C dir .` writes them)."""
+    ``./`` (as `tar cf - -C dir .` writes them). With ``bad`` (``--skip-bad``) a sample with a
+    bad image is left out and described in ``bad`` instead."""
     for s in samples:
         if s["__key__"].startswith("./"):
             s = {**s, "__key__": s["__key__"][2:]}
+        problem = None
         for k, v in s.items():
             if k[:2] != "__" and k.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS:
                 problem = _image_problem(bytes(v))
                 if problem is not None:
                     where = s.get("__path__") or (f"sample {s['__key__']!r} field {k!r} of "
                                                   f"{source}")
-                    raise ValueError(f"{where}: {problem}; remove it, or fix it, and run again")
-        yield {k: v for k, v in s.items() if k != "__path__"}
+                    problem = f"{where}: {problem}"
+                    break
+        if problem is None:
+            yield {k: v for k, v in s.items() if k != "__path__"}
+        elif bad is None:
+            raise ValueError(f"{problem}; remove it, or fix it, and run again (or pass --skip-bad)")
+        else:
+            bad.append(problem)
+
+
+def _say_bad(bad: list[str]) -> None:
+    if bad:
+        n = len(bad)
+        print(f"ember shards create: left out {n} bad image{'s' * (n != 1)} (--skip-bad): "
+              + "; ".join(bad), file=sys.stderr)
 
 
 def _list_samples(list_file: str):
@@ -766,47 +910,75 @@ def _list_samples(list_file: str):
         yield current
 
 
+def _check_write_flags(args, urls: list[str]) -> None:
+    """Refuse bad -o, --maxcount, --maxsize and --post values before anything is read."""
+    _check_output(args.output, urls)
+    _check_out_folder(args.output)
+    _count(args.maxcount)
+    _byte_size(args.maxsize)
+    _post(getattr(args, "post", None))
+
+
+def _classes_file(args, data: bytes) -> dict[str, bytes]:
+    """``classes.json`` (``data``) beside -o's shards, as an extra file of _write_all; refused
+    where one naming other classes is there, unless --force."""
+    out_dir = os.path.dirname(os.path.abspath(shard_path(args.output, 0)))
+    path = os.path.join(out_dir, "classes.json")
+    if os.path.exists(path) and not args.force:
+        with open(path, "rb") as f:
+            same = f.read() == data
+        if not same:
+            raise ValueError(f"{path} already exists and names other classes; pass --force to "
+                             "replace it, or write to another folder")
+    return {path: data}
+
+
+def _folder_source(args, src: str):
+    """The samples of an ImageFolder ``src`` (shuffled unless --no-shuffle), their number and
+    the classes.json to write beside them."""
+    if not os.path.isdir(src):
+        raise ValueError(f"{src} is not a folder (ImageFolder layout: one subfolder per "
+                         "class); use --list for a file of paths, or '-' for a tar stream on "
+                         "standard input")
+    tops = sorted(e for e in os.listdir(src) if os.path.isdir(os.path.join(src, e)))
+    classes = [e for e in tops if not _hidden(e)]
+    if not classes:
+        raise ValueError(f"{src} has no class subfolders (ImageFolder layout)")
+    _check_overwrite(args)  # refused before anything is said or read
+    extra = _classes_file(args, json.dumps({"classes": classes}).encode("utf-8"))
+    found = _folder_images(src, classes)
+    found.hidden[:0] = [os.path.join(src, e) for e in tops if _hidden(e)]
+    _say_left_out(found)
+    images = found.images
+    if not args.no_shuffle:  # else a shard holds one or two classes, in folder order
+        g = torch.Generator().manual_seed(args.seed)
+        images = [images[i] for i in torch.randperm(len(images), generator=g).tolist()]
+    return _folder_samples(images), len(images), extra
+
+
 def _create(args) -> int:
     src = args.source
+    _check_write_flags(args, [])
+    bad: list[str] | None = [] if args.skip_bad else None
     if src == "-":  # a tar stream on standard input: what `split -` does
-        with _progress(_checked_images(_read("-"), "standard input"), args, unit="sample") as bar:
-            return _write_all(args, ["-"], bar, join=True)
+        samples = _checked_images(_read("-"), "standard input", bad)
+        with _progress(samples, args, unit="sample") as bar:
+            code = _write_all(args, ["-"], bar, join=True)
+        _say_bad(bad or [])
+        return code
     extra = None
     total = None
     if args.list:
         if not os.path.isfile(src):
             raise ValueError(f"--list {src}: not a file")
-        _check_out_folder(args.output)
         _check_overwrite(args)  # refused before anything is said or read
         samples = _list_samples(src)
     else:
-        if not os.path.isdir(src):
-            raise ValueError(f"{src} is not a folder (ImageFolder layout: one subfolder per "
-                             "class); use --list for a file of paths, or '-' for a tar stream on "
-                             "standard input")
-        tops = sorted(e for e in os.listdir(src) if os.path.isdir(os.path.join(src, e)))
-        classes = [e for e in tops if not _hidden(e)]
-        if not classes:
-            raise ValueError(f"{src} has no class subfolders (ImageFolder layout)")
-        _check_out_folder(args.output)
-        _check_overwrite(args)  # refused before anything is said or read
-        out_dir = os.path.dirname(os.path.abspath(shard_path(args.output, 0)))
-        classes_path = os.path.join(out_dir, "classes.json")
-        if os.path.exists(classes_path) and not args.force:
-            with open(classes_path, encoding="utf-8") as f:
-                same = f.read() == json.dumps({"classes": classes})
-            if not same:
-                raise ValueError(f"{classes_path} already exists and names other classes; "
-                                 "pass --force to replace it, or write to another folder")
-        # written with the shards, all or nothing
-        extra = {classes_path: json.dumps({"classes": classes}).encode("utf-8")}
-        images, skipped, hidden, renamed = _folder_images(src, classes)
-        hidden[:0] = [os.path.join(src, e) for e in tops if _hidden(e)]
-        _say_left_out(skipped, hidden, renamed)
-        total = len(images)
-        samples = _folder_samples(images)
-    with _progress(_checked_images(samples, src), args, unit="sample", total=total) as bar:
-        return _write_all(args, [], bar, extra=extra)
+        samples, total, extra = _folder_source(args, src)
+    with _progress(_checked_images(samples, src, bad), args, unit="sample", total=total) as bar:
+        code = _write_all(args, [], bar, extra=extra)
+    _say_bad(bad or [])
+    return code
 
 
 def _index(args) -> int:
@@ -864,7 +1036,7 @@ def _guarded(name: str, fn: Callable) -> Callable:
 def register(subparsers) -> None:
     """Add the ``shards`` sub-command to the ``ember`` command line."""
     p = subparsers.add_parser("shards", help="inspect and re-shard WebDataset tar shards")
-    p.set_defaults(func=lambda args: p.print_help() or 0)
+    p.set_defaults(func=lambda args: p.print_help(sys.stderr) or 2)  # no action: a usage error
     sub = p.add_subparsers(dest="shards_command", metavar="ACTION")
     for name, fn, hlp in [("ls", _ls, "sample count of every shard (from .idx files if present)"),
                           ("cat", _cat, "print samples"),
@@ -912,6 +1084,14 @@ def register(subparsers) -> None:
             q.add_argument("--post", default=None, help="command run on each new shard once "
                            "all are written, checked and in place ({} is its path; e.g. 'aws s3 "
                            "cp {} s3://bucket/'); a failure stops and puts the old files back")
+        if name == "create":
+            q.add_argument("--seed", type=int, default=0, help="seed of the order of the "
+                           "samples of a folder, shuffled over the shards (default: 0)")
+            q.add_argument("--no-shuffle", action="store_true", help="keep a folder's samples "
+                           "in folder order (each shard then holds one or two classes)")
+            q.add_argument("--skip-bad", action="store_true", help="leave out images that do "
+                           "not decode and list them at the end, instead of stopping at the "
+                           "first")
         if name == "shuffle":
             q.add_argument("--seed", type=int, default=0)
             q.add_argument("--buffer", type=int, default=0,

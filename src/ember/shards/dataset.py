@@ -15,7 +15,6 @@ import copy
 import itertools
 import multiprocessing
 import multiprocessing.context
-import os
 import random
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -51,7 +50,7 @@ from ember.shards.resume import (
     _SkippingReader,
 )
 from ember.shards.transfer import TransferArena
-from ember.shards.urls import UrlOptions, as_list, local_path, open_url
+from ember.shards.urls import UrlOptions, as_list, local_path, open_url, url_options_from
 
 __all__ = ["ShardDataset", "ShardLoader", "iter_shard", "rank_and_world"]
 
@@ -100,18 +99,17 @@ class ShardDataset(IterableDataset):
     epochs with ``with_epoch``). ``nodesplitter``/``workersplitter``: ``"auto"`` deals the
     epoch's shard order over ``world x workers`` streams; ``None`` does not split over ranks
     (a URL list already split per rank) or workers; a callable is a webdataset-style splitter.
-    ``cache_dir`` keeps a local copy of every remote shard read (at most ``cache_size`` bytes).
+    ``url_options``: how URLs are opened (timeouts, retries, ``pipe:``, S3, ``cache_dir``; see
+    :class:`UrlOptions`); its fields given as keywords of their own still work, deprecated.
     """
 
     def __init__(self, urls: str | Sequence, *, shuffle_shards: bool = True, seed: int = 0,
                  generator: torch.Generator | None = None, rank: int | None = None,
                  world_size: int | None = None, on_error: str | Callable = "raise",
                  equalize: str | None = None, shard_sizes: Sequence[int] | None = None,
-                 timeout: float = 60.0, retries: int = 5, allow_pipe: bool = False,
-                 s3_endpoint: str | None = None, resampled: bool = False,
+                 url_options: UrlOptions | None = None, resampled: bool = False,
                  nodesplitter: str | Callable | None = _AUTO,
-                 workersplitter: str | Callable | None = _AUTO,
-                 cache_dir: str | os.PathLike | None = None, cache_size: int | None = None):
+                 workersplitter: str | Callable | None = _AUTO, **deprecated: Any):
         super().__init__()
         self.urls = as_list(urls)
         for name, fn in (("nodesplitter", nodesplitter), ("workersplitter", workersplitter)):
@@ -146,16 +144,7 @@ class ShardDataset(IterableDataset):
             raise ValueError(f"shard_sizes has {len(shard_sizes)} entries for {len(self.urls)} "
                              "shards")
         self.shard_sizes = list(shard_sizes) if shard_sizes is not None else None
-        if cache_size is not None and cache_dir is None:
-            raise ValueError("cache_size= needs cache_dir=")
-        if cache_size is not None:
-            cache_size = integer(cache_size, "cache_size", minimum=0)
-        timeout = real(timeout, "timeout", above=0.0)
-        retries = integer(retries, "retries", minimum=0)
-        self.options = UrlOptions(timeout=timeout, retries=retries, allow_pipe=allow_pipe,
-                                  s3_endpoint=s3_endpoint,
-                                  cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
-                                  cache_size=cache_size)
+        self.options = url_options_from(url_options, deprecated)
         self.stages: list[tuple[str, tuple]] = []
         self._cell = _EpochCell()
         self._running: int | None = None  # epoch of the direct iteration in progress

@@ -13,7 +13,7 @@ import io
 import json
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ember.shards.errors import DecodeError
 
@@ -232,7 +232,7 @@ class Decoder:
                 out[ext] = value
                 continue
             try:
-                out[ext] = self.decode_field(ext, value)
+                out[ext] = self.decode_field(ext, cast(bytes, value))
             except ImportError:
                 raise
             except Exception as exc:

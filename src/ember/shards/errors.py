@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ShardError", "FormatError", "TruncatedShardError", "DecodeError"]
+__all__ = ["ShardError", "NotFoundError", "FormatError", "TruncatedShardError", "DecodeError"]
 
 
 class ShardError(Exception):
@@ -29,6 +29,10 @@ class ShardError(Exception):
 
     def __reduce__(self):
         return (type(self), (self.message, self.url, self.offset))
+
+
+class NotFoundError(ShardError):
+    """There is no shard (or file) at that URL: no such file, HTTP 404 or 410, S3 NoSuchKey."""
 
 
 class FormatError(ShardError):

@@ -7,6 +7,7 @@ sample is.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from ember.shards.errors import FormatError
 
@@ -15,28 +16,48 @@ try:  # group_samples compiled (setup.py); None where it was not built
 except ImportError:  # pragma: no cover - depends on the build
     _compiled_group_samples = None
 
-__all__ = ["split_name", "member_name", "group_samples", "is_metadata", "check_sample_names"]
+__all__ = ["split_name", "member_name", "group_samples", "is_metadata", "is_hidden", "unsafe_name",
+           "check_sample_names"]
 
 META_KEYS = ("__key__", "__url__")
 
 
 def is_metadata(name: str) -> bool:
-    """Whether a member name is a metadata entry such as ``__meta__`` (not a sample member)."""
-    last = name[name.rfind("/") + 1 :]
-    return len(last) >= 4 and last.startswith("__") and last.endswith("__")
+    """Whether webdataset skips a member name as metadata: a name without ``/`` that starts and
+    ends with ``__``, or one whose first path part is ``__something__`` (``__meta__/x.json``)."""
+    if name[:2] != "__":
+        return False
+    slash = name.find("/")
+    if slash < 0:
+        return name.endswith("__")
+    return slash >= 4 and name[slash - 2 : slash] == "__"
+
+
+def is_hidden(name: str) -> bool:
+    """Whether a member's basename starts with a dot (``./.DS_Store``, macOS's ``._a.jpg``):
+    webdataset skips such members."""
+    return name[name.rfind("/") + 1 : name.rfind("/") + 2] == "."
+
+
+def unsafe_name(name: str) -> str | None:
+    """Why a member name is unsafe to yield (absolute, or a ``..`` part that climbs out of the
+    folder it would be extracted to), or None."""
+    if name.startswith("/"):
+        return "an absolute path"
+    if ".." in name and ".." in name.split("/"):
+        return "a '..' part"
+    return None
 
 
 def split_name(name: str) -> tuple[str, str] | None:
-    """Return ``(key, extension)`` for a member name, or None if it belongs to no sample.
+    """Return ``(key, extension)`` for a member name, or None if it belongs to no sample (no dot
+    in its basename, a hidden basename, or webdataset's metadata pattern).
 
     The split is at the first dot of the last path component; the extension is lower-cased.
     """
     slash = name.rfind("/") + 1
     dot = name.find(".", slash)
-    if dot < 0:
-        return None
-    last = name[slash:]
-    if last.startswith("__") and last.endswith("__"):
+    if dot <= slash or is_metadata(name):
         return None
     return name[:dot], name[dot + 1 :].lower()
 
@@ -46,8 +67,9 @@ def member_name(key: str, ext: str) -> str:
     return f"{key}.{ext}"
 
 
-def check_sample_names(key: str, exts: Iterable[str]) -> None:
-    """Raise FormatError unless ``key`` and ``exts`` survive a write/read round trip unchanged."""
+def check_sample_names(key: Any, exts: Iterable[str]) -> None:
+    """Raise FormatError unless ``key`` and ``exts`` survive a write/read round trip unchanged,
+    in ember and in webdataset, naming the rule broken."""
     if not isinstance(key, str) or not key:
         raise FormatError(f"sample key must be a non-empty string, got {key!r}")
     last = key[key.rfind("/") + 1 :]
@@ -57,11 +79,21 @@ def check_sample_names(key: str, exts: Iterable[str]) -> None:
         )
     if not last:
         raise FormatError(f"sample key {key!r} ends with '/'")
+    why = unsafe_name(key)
+    if why is not None:
+        raise FormatError(f"sample key {key!r} is unsafe ({why}): readers refuse such names, "
+                          "and extracting them writes outside the target folder")
     for ext in exts:
         if not ext or ext != ext.lower() or ext.startswith("__") or "/" in ext:
             raise FormatError(
                 f"extension {ext!r} of sample {key!r} must be non-empty, lower-case, without '/' "
                 "and not start with '__'"
+            )
+        if is_metadata(member_name(key, ext)):
+            raise FormatError(
+                f"member {member_name(key, ext)!r} of sample {key!r} matches webdataset's metadata "
+                "pattern (a first path part '__name__', or a whole name '__...__'): webdataset "
+                "skips it; use another key"
             )
 
 
@@ -86,16 +118,22 @@ def _group_samples(members: Iterable[tuple[str, bytes, int]], url: str) -> Itera
     for name, data, offset in members:
         slash = name.rfind("/") + 1
         dot = name.find(".", slash)
-        if dot < 0:
-            continue
-        if name[slash] == "_" and name.startswith("__", slash) and name.endswith("__"):
+        if dot <= slash:
+            continue  # no extension, or a hidden basename: not a sample member
+        if name[0] == "_" and is_metadata(name):
             continue
         k = name[:dot]
         if k != key:  # (key starts as None, so the first member starts a sample)
             if current is not None:
                 yield current
+            # a key holds its unsafe part: only the first member of a sample needs the check
+            if (name[0] == "/" or ".." in k) and unsafe_name(k):
+                current = None
+                raise FormatError(f"member name {name!r} is unsafe ({unsafe_name(k)})", url,
+                                  offset)
             current = {"__key__": k, "__url__": url}
             key = k
+        assert current is not None  # (the first member of a sample made it)
         ext = name[dot + 1 :]
         low = lowered.get(ext)
         if low is None:

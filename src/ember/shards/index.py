@@ -14,10 +14,10 @@ import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ember.shards.errors import ShardError
-from ember.shards.format import group_samples, split_name
+from ember.shards.errors import FormatError, ShardError
+from ember.shards.format import group_samples, split_name, unsafe_name
 from ember.shards.tar import iter_members, memory_source, open_tar_source, scan_members
-from ember.shards.urls import UrlOptions, local_path, open_url
+from ember.shards.urls import UrlOptions, local_path, open_url, parsed_to_end, sibling_url
 
 __all__ = ["build_index", "make_index", "write_index", "read_index", "index_path",
            "index_mismatch", "sample_count", "read_sample", "INDEX_SUFFIX"]
@@ -38,6 +38,9 @@ def _spans(url: str, options: UrlOptions | None) -> Iterator[tuple[str, int, int
                 kx = split_name(name)
                 if kx is None:
                     continue
+                if kx[0] != key and unsafe_name(kx[0]):
+                    raise FormatError(f"member name {name!r} is unsafe ({unsafe_name(kx[0])})",
+                                      url, s)
                 if kx[0] != key:
                     if key is not None:
                         yield key, start, end
@@ -47,6 +50,7 @@ def _spans(url: str, options: UrlOptions | None) -> Iterator[tuple[str, int, int
                 yield key, start, end
         finally:
             src.close()
+        parsed_to_end(stream)
     finally:
         stream.close()
 
@@ -103,7 +107,10 @@ def read_index(url: str, options: UrlOptions | None = None) -> dict | None:
                               f"was made for {index.get('size')} bytes")
                 return None
         else:
-            stream = open_url(url + INDEX_SUFFIX, options)
+            where = sibling_url(url, INDEX_SUFFIX)
+            if where is None:
+                return None  # no file lies beside a command's output
+            stream = open_url(where, options)
             try:
                 index = json.loads(stream.read())
             finally:

@@ -16,7 +16,7 @@ import torch
 from ember.shards.errors import ShardError
 from ember.shards.format import group_samples
 from ember.shards.tar import iter_members, open_tar_source
-from ember.shards.urls import UrlOptions, open_url
+from ember.shards.urls import UrlOptions, open_url, parsed_to_end
 
 __all__ = ["iter_shard", "rank_and_world"]
 
@@ -77,6 +77,7 @@ def _samples(stream, url: str, base: int = 0) -> Iterator[dict]:
             yield from group_samples(iter_members(src, url), url)
         finally:
             src.close()
+        parsed_to_end(stream)
     finally:
         stream.close()
 

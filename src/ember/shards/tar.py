@@ -23,7 +23,7 @@ import stat
 import struct
 import zlib
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from ember.shards.errors import ShardError, TruncatedShardError
 
@@ -37,6 +37,7 @@ __all__ = ["iter_members", "scan_members", "open_tar_source", "memory_source", "
 BLOCK = 512
 _ZERO = bytes(BLOCK)
 _CHUNK = 1 << 20
+_LARGE = 1 << 26  # the most bytes asked of a stream at once
 _GZ_INPUT = 1 << 18  # compressed bytes per read, small enough to keep zlib's leftovers cheap
 _CACHE = 4096  # entries per field-value cache
 # members per call of the compiled scanner, and its data bytes per call: what it parses ahead of
@@ -99,26 +100,36 @@ class _StreamSource:
 
     def _read(self, n: int) -> bytes:
         try:
-            return self.stream.read(n)
+            return self.stream.read(min(n, _LARGE))
         except ShardError:
             raise
         except OSError as exc:
             raise ShardError(f"read failed: {exc}", self.url, self.base + self.end) from exc
 
     def _read_exact(self, n: int) -> bytes:
-        """Up to ``n`` bytes: fewer only at the end of the stream."""
+        """Up to ``n`` bytes: fewer only at the end of the stream.
+
+        At most ``_LARGE`` bytes are asked for at once, so a size read from a damaged header
+        costs memory only for the bytes that really follow; a size that no memory holds is a
+        ShardError.
+        """
         data = self._read(n)
         if len(data) >= n or not data:
             return data
         parts = [data]
         have = len(data)
-        while have < n:
-            chunk = self._read(n - have)
-            if not chunk:
-                break
-            parts.append(chunk)
-            have += len(chunk)
-        return b"".join(parts)
+        try:
+            while have < n:
+                chunk = self._read(n - have)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                have += len(chunk)
+            return b"".join(parts)
+        except MemoryError:
+            parts.clear()
+            raise ShardError(f"a member of {n} bytes does not fit in memory", self.url,
+                             self.base + self.end) from None
 
     def refill(self, pos: int, need: int) -> int:
         """Start the window at ``pos`` holding at least ``need`` bytes, or all that is left;
@@ -427,6 +438,70 @@ def _end_of_archive(src, pos: int, ext: _Extended) -> None:
         raise src.truncated("right after a long-name or PAX record", src.base + at - BLOCK)
 
 
+def _header_ok(h: bytes, chk_f: bytes, sums: dict[bytes, int]) -> bool:
+    """Whether the checksum of header ``h`` (whose checksum field is ``chk_f``) holds, by the
+    unsigned or the old signed byte sum; ``sums`` caches expected values per field."""
+    want = sums.get(chk_f)
+    if want is None:
+        if len(sums) >= _CACHE:
+            sums.clear()
+        want = sums[chk_f] = _expected_adler(chk_f)
+    return zlib.adler32(h) & 0xFFFF == want or _signed_checksum_ok(h, chk_f)
+
+
+def _member_size(size_f: bytes, sizes: dict[bytes, int], url: str, at: int) -> int:
+    """The size field's value (cached per field), refused when negative."""
+    size = sizes.get(size_f)
+    if size is None:
+        if len(sizes) >= _CACHE:
+            sizes.clear()
+        size = sizes[size_f] = _number(size_f, "size", url, at)
+        if size < 0:
+            raise ShardError("negative member size", url, at)
+    return size
+
+
+def _member_name(h: bytes, name: bytes, ext: _Extended, offset: int, size: int,
+                 url: str) -> tuple[str, int, int]:
+    """(name, offset of its first record, size) of the regular member whose header ``h`` is at
+    ``offset``, with the long-name and PAX records read before it applied."""
+    raw = None
+    if ext.pending:
+        raw, offset, size = ext.apply(offset, size, url)
+    if raw is None:
+        raw = name.partition(b"\x00")[0]
+        if h[345]:
+            raw = _ustar_name(h, raw)
+    return raw.decode("utf-8", "surrogateescape"), offset, size
+
+
+def _other_record(src, pos: int, kind: int, size: int, ext: _Extended, url: str) -> int:
+    """Consume a record that is not a regular member (long-name and PAX records are kept in
+    ``ext``; links, folders, devices and unknown types are skipped); return the window offset
+    after it."""
+    record_at = src.base + pos
+    if kind in _UNSUPPORTED:
+        raise ShardError(f"unsupported tar member type {chr(kind)!r} (sparse/multi-volume)", url,
+                         record_at)
+    data_at = pos + BLOCK
+    padded = (size + 511) & ~511
+    keep = kind in _EXTENDED
+    if data_at + padded <= src.end:
+        payload = src.buf[data_at : data_at + size] if keep else None
+        pos = data_at + padded
+    else:
+        what = f"the {chr(kind)!r} record at byte {record_at}"
+        payload = src.take(data_at, size, padded, keep, what)
+        pos = 0
+    if keep:
+        ext.add(kind, cast(bytes, payload), url, record_at)
+    elif kind != _LONGLINK:
+        # links, directories, devices, FIFOs and unknown types are not sample members; the
+        # records read for them do not carry over
+        ext.drop()
+    return pos
+
+
 def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
     """Yield each regular file as (name, data, offset), or (name, offset, end) if not with_data.
 
@@ -437,7 +512,6 @@ def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
     buf, base, end = src.buf, src.base, src.end
     pos = 0
     unpack = _HEADER.unpack_from
-    adler32 = zlib.adler32
     regular = _REGULAR
     # field -> value caches: sizes repeat within a shard, and so do checksums, in a narrow range
     sizes: dict[bytes, int] = {}
@@ -463,76 +537,34 @@ def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
         first = False
         h = buf[pos : pos + BLOCK]
         name, size_f, chk_f, kind = unpack(h)
-        want = sums.get(chk_f)
-        if want is None:
-            if len(sums) >= _CACHE:
-                sums.clear()
-            want = sums[chk_f] = _expected_adler(chk_f)
-        if adler32(h) & 0xFFFF != want and not _signed_checksum_ok(h, chk_f):
+        if not _header_ok(h, chk_f, sums):
             if h == _ZERO:
                 _end_of_archive(src, pos, ext)
                 return
             raise ShardError("tar header checksum mismatch (corrupt archive)", url, base + pos)
-        size = sizes.get(size_f)
-        if size is None:
-            if len(sizes) >= _CACHE:
-                sizes.clear()
-            size = sizes[size_f] = _number(size_f, "size", url, base + pos)
-            if size < 0:
-                raise ShardError("negative member size", url, base + pos)
-        if kind in regular:
-            offset = base + pos
-            raw = None
-            if ext.pending:
-                raw, offset, size = ext.apply(offset, size, url)
-            if raw is None:
-                raw = name.partition(b"\x00")[0]
-                if h[345]:
-                    raw = _ustar_name(h, raw)
-            member = raw.decode("utf-8", "surrogateescape")
-            data_at = pos + BLOCK
-            pos = data_at + ((size + 511) & ~511)
-            if pos <= end:
-                if with_data:
-                    yield member, buf[data_at : data_at + size], offset
-                else:
-                    yield member, offset, base + pos
-            else:
-                what = f"member {member!r} (header at byte {base + data_at - BLOCK})"
-                try:
-                    data = src.take(data_at, size, pos - data_at, with_data, what)
-                except TruncatedShardError:
-                    # the header is intact, so this member's name says whether the sample
-                    # before it was complete; the consumer gets it with no data, then the error
-                    yield (member, None, offset) if with_data else (member, offset, None)
-                    raise
-                buf, base, end = src.buf, src.base, src.end
-                pos = 0
-                yield (member, data, offset) if with_data else (member, offset, base)
-            continue
-        # a record with a payload this reader interprets, or one to skip
-        record_at = base + pos
-        if kind in _UNSUPPORTED:
-            raise ShardError(
-                f"unsupported tar member type {chr(kind)!r} (sparse/multi-volume)", url, record_at
-            )
-        data_at = pos + BLOCK
-        padded = (size + 511) & ~511
-        keep = kind in _EXTENDED
-        if data_at + padded <= end:
-            payload = buf[data_at : data_at + size] if keep else None
-            pos = data_at + padded
-        else:
-            what = f"the {chr(kind)!r} record at byte {record_at}"
-            payload = src.take(data_at, size, padded, keep, what)
+        size = _member_size(size_f, sizes, url, base + pos)
+        if kind not in regular:
+            pos = _other_record(src, pos, kind, size, ext, url)
             buf, base, end = src.buf, src.base, src.end
-            pos = 0
-        if keep:
-            ext.add(kind, payload, url, record_at)
-        elif kind != _LONGLINK:
-            # links, directories, devices, FIFOs and unknown types are not sample members; the
-            # records read for them do not carry over
-            ext.drop()
+            continue
+        member, offset, size = _member_name(h, name, ext, base + pos, size, url)
+        data_at = pos + BLOCK
+        pos = data_at + ((size + 511) & ~511)
+        if pos <= end:
+            yield (member, buf[data_at : data_at + size], offset) if with_data else \
+                (member, offset, base + pos)
+            continue
+        what = f"member {member!r} (header at byte {base + data_at - BLOCK})"
+        try:
+            data = src.take(data_at, size, pos - data_at, with_data, what)
+        except TruncatedShardError:
+            # the header is intact, so this member's name says whether the sample before it
+            # was complete; the consumer gets it with no data, then the error
+            yield (member, None, offset) if with_data else (member, offset, None)
+            raise
+        buf, base, end = src.buf, src.base, src.end
+        pos = 0
+        yield (member, data, offset) if with_data else (member, offset, base)
 
 
 def iter_members(source, url: str, *, whole: bool = True) -> Iterator[tuple[str, bytes, int]]:

@@ -1,14 +1,16 @@
 """Shard URLs: brace expansion, and opening a URL as a byte stream.
 
 Supported: local paths and ``file:``, ``http(s)://`` (retries, timeouts, resume by byte range),
-``s3://`` (boto3, imported only when used; endpoint configurable for MinIO/AIStore/moto) and
-``pipe:CMD`` (only when explicitly allowed; the process is always reaped). This is the only module of
-ember.shards that touches the network or starts processes.
+``s3://`` (boto3, imported only when used; endpoint configurable for MinIO/AIStore/moto),
+``pipe:CMD`` (only when explicitly allowed; the process is always reaped) and ``tcp://HOST:PORT``
+(what a server sends on connecting). More schemes: :func:`register_opener`. This is the only
+module of ember.shards that touches the network or starts processes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -18,14 +20,16 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
-from ember.shards.errors import ShardError
+from ember.shards.errors import NotFoundError, ShardError
 
-__all__ = ["expand_urls", "open_url", "UrlOptions", "local_path"]
+__all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end",
+           "url_options_from", "register_opener", "sibling_url", "url_scheme", "file_beside"]
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -43,7 +47,9 @@ def _matching_brace(s: str, start: int) -> int:
 
 
 def _split_top(body: str) -> list[str]:
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in body:
         if ch == "," and depth == 0:
             parts.append("".join(cur))
@@ -98,23 +104,67 @@ def expand_urls(urls: str | Path | Iterable) -> list[str]:
 
 @dataclass(frozen=True)
 class UrlOptions:
-    """How shard URLs are opened.
+    """How shard URLs are opened (``ShardDataset(url_options=...)``, :func:`open_url`).
 
-    ``timeout`` is the socket timeout in seconds; ``retries`` the number of consecutive failed
-    attempts tolerated per shard (a resumed read that makes progress resets it); ``allow_pipe``
-    enables ``pipe:`` URLs; ``s3_endpoint`` overrides the S3 endpoint (else the
-    ``EMBER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL`` environment variable, else AWS).
-    ``cache_dir``: keep a local copy of every ``http(s)://`` and ``s3://`` shard read, and read
-    the copy next time (see :mod:`ember.shards.cache`); ``cache_size`` bounds it in bytes.
+    ``timeout``: socket timeout in seconds. ``retries``: consecutive failed attempts tolerated
+    per shard (a resumed read that makes progress resets the count); ``backoff``: seconds before
+    the first retry, doubling up to 5 s. ``headers``: extra HTTP request headers (for example
+    an ``Authorization``). ``allow_pipe``: enables ``pipe:`` URLs, which run shell commands.
+    ``s3_endpoint``: the S3 endpoint (else the ``EMBER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL``
+    environment variable, else AWS). ``cache_dir``: keep a local copy of every remote shard read
+    whole and read the copy next time (see :mod:`ember.shards.cache`); ``cache_size`` bounds the
+    cache in bytes.
     """
 
     timeout: float = 60.0
     retries: int = 5
     backoff: float = 0.2
+    headers: Mapping[str, str] = field(default_factory=dict, hash=False)
     allow_pipe: bool = False
     s3_endpoint: str | None = None
     cache_dir: str | None = None
     cache_size: int | None = None
+
+    def __post_init__(self) -> None:
+        from ember.shards.checks import integer, real
+
+        set_ = object.__setattr__  # frozen: the checked values replace the given ones
+        set_(self, "timeout", real(self.timeout, "timeout", above=0.0))
+        set_(self, "retries", integer(self.retries, "retries", minimum=0))
+        set_(self, "backoff", real(self.backoff, "backoff", minimum=0.0))
+        if not isinstance(self.headers, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()):
+            raise TypeError(f"headers must map str to str, got {self.headers!r}")
+        set_(self, "headers", dict(self.headers))
+        set_(self, "allow_pipe", bool(self.allow_pipe))
+        if self.cache_dir is not None:
+            set_(self, "cache_dir", os.fspath(self.cache_dir))
+        if self.cache_size is not None:
+            if self.cache_dir is None:
+                raise ValueError("cache_size= needs cache_dir=")
+            set_(self, "cache_size", integer(self.cache_size, "cache_size", minimum=0))
+
+
+_OPTION_NAMES = ("timeout", "retries", "allow_pipe", "s3_endpoint", "cache_dir", "cache_size")
+
+
+def url_options_from(url_options: UrlOptions | None, keywords: dict[str, Any]) -> UrlOptions:
+    """``url_options``, or one made from the deprecated keywords that used to stand for its
+    fields (with a DeprecationWarning); a TypeError for any other keyword or for both."""
+    unknown = sorted(set(keywords) - set(_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    if url_options is not None and not isinstance(url_options, UrlOptions):
+        raise TypeError(f"url_options must be a UrlOptions, got {type(url_options).__name__}")
+    if not keywords:
+        return url_options or UrlOptions()
+    names = ", ".join(f"{k}=" for k in keywords)
+    if url_options is not None:
+        raise TypeError(f"pass {names} inside url_options=, not beside it")
+    warnings.warn(f"the keyword arguments {names} are deprecated: pass "
+                  "url_options=UrlOptions(...) with the same fields", DeprecationWarning,
+                  stacklevel=3)
+    return UrlOptions(**keywords)
 
 
 def local_path(url: str) -> Path | None:
@@ -130,41 +180,132 @@ def local_path(url: str) -> Path | None:
     return Path(url)
 
 
+Opener = Callable[[str, "UrlOptions"], BinaryIO]
+
+
+@dataclass(frozen=True)
+class _Scheme:
+    opener: Opener
+    cacheable: bool
+    siblings: bool
+
+
+_SCHEMES: dict[str, _Scheme] = {}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+
+
+def register_opener(scheme: str, opener: Opener, *, cacheable: bool = False,
+                    siblings: bool = True) -> None:
+    """Make :func:`open_url` open URLs ``scheme:...`` with ``opener(url, options)``.
+
+    ``opener`` returns a readable binary stream (closed by the caller) and raises ShardError
+    naming the URL when it cannot. ``cacheable``: ``cache_dir=`` keeps copies of these shards.
+    ``siblings``: ``url + ".idx"`` names a file beside the shard, so an index may be looked up
+    there (not for URLs that are commands or connections). A scheme registered again is
+    replaced. Local paths use the scheme ``file``.
+    """
+    if not _SCHEME.match(scheme + ":") or len(scheme) < 2:
+        raise ValueError(f"expected a URL scheme of two or more letters, digits, '+', '-', '.', "
+                         f"got {scheme!r}")
+    if not callable(opener):
+        raise TypeError(f"opener must be callable, got {opener!r}")
+    _SCHEMES[scheme.lower()] = _Scheme(opener, bool(cacheable), bool(siblings))
+
+
+def url_scheme(url: str) -> str:
+    """The scheme of a shard URL, lower-cased; ``file`` for a local path (Windows drive
+    letters included)."""
+    m = _SCHEME.match(url)
+    return m.group(1).lower() if m else "file"
+
+
+def _scheme(url: str) -> _Scheme:
+    found = _SCHEMES.get(url_scheme(url))
+    if found is None:
+        known = ", ".join(f"{k}:" for k in sorted(_SCHEMES))
+        raise ShardError(f"unsupported URL scheme {url_scheme(url)!r} (use a local path or one "
+                         f"of {known})", url)
+    return found
+
+
+def sibling_url(url: str, suffix: str) -> str | None:
+    """The URL of the file named like the shard plus ``suffix`` (its index: ``.idx``), or None
+    where no file can lie beside it (``pipe:`` commands, unknown schemes)."""
+    found = _SCHEMES.get(url_scheme(url))
+    return url + suffix if found is not None and found.siblings else None
+
+
 def open_url(url: str, options: UrlOptions | None = None) -> BinaryIO:
     """Open a shard URL for sequential reading; the caller must close the result."""
     options = options or UrlOptions()
-    if url.startswith("pipe:"):
-        if not options.allow_pipe:
-            raise ShardError("pipe: URLs run shell commands and are disabled; pass allow_pipe=True", url)
-        return _PipeStream(url[5:], url)
-    if url.startswith(("http://", "https://", "s3://")):
-        if options.cache_dir is not None:
-            from ember.shards.cache import CachingStream, cache_path, open_cached
+    scheme = _scheme(url)
+    if scheme.cacheable and options.cache_dir is not None:
+        from ember.shards.cache import CachedReader, CachingStream, cache_path, open_cached
 
-            final = cache_path(options.cache_dir, url)
-            cached = open_cached(final)
-            if cached is not None:
-                return cached
-            return io.BufferedReader(CachingStream(_remote(url, options), final,
-                                                   options.cache_size), 1 << 16)
-        return _remote(url, options)
+        final = cache_path(options.cache_dir, url)
+        cached = open_cached(final)
+        if cached is not None:
+            return cached
+        return CachedReader(CachingStream(scheme.opener(url, options), final,
+                                          options.cache_size), 1 << 16)
+    return scheme.opener(url, options)
+
+
+def _open_file(url: str, options: UrlOptions) -> BinaryIO:
     path = local_path(url)
     if path is None:
-        scheme = url.split(":", 1)[0]
-        raise ShardError(f"unsupported URL scheme {scheme!r} (use a local path, file:, http(s)://, "
-                         "s3:// or pipe:)", url)
+        raise ShardError("not a local path", url)
     try:
-        return open(path, "rb")
+        return open(path, "rb")  # noqa: SIM115 (the caller closes it)
     except FileNotFoundError:
-        raise ShardError("no such file", url) from None
+        raise NotFoundError("no such file", url) from None
     except OSError as exc:
         raise ShardError(f"cannot open: {exc}", url) from exc
 
 
-def _remote(url: str, options: UrlOptions) -> BinaryIO:
-    if url.startswith("s3://"):
-        return _RetryingStream(url, _S3Opener(url, options), options)
-    return _RetryingStream(url, _HttpOpener(url, options.timeout), options)
+def _open_pipe(url: str, options: UrlOptions) -> BinaryIO:
+    if not options.allow_pipe:
+        raise ShardError("pipe: URLs run shell commands and are disabled; pass allow_pipe=True", url)
+    return cast(BinaryIO, _PipeStream(url[5:], url))
+
+
+def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes | None:
+    """The bytes of the file ``name`` in the folder of the shard ``url`` (a local path, or a URL
+    whose scheme has files beside its shards: http(s), s3), or None where there is none (or
+    can be none). Read whole, never cached."""
+    path = local_path(url)
+    if path is not None:
+        try:
+            return (path.parent / name).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise ShardError(f"cannot read {name} beside it: {exc}", url) from exc
+    if sibling_url(url, "") is None or "/" not in url:
+        return None
+    options = dataclasses.replace(options or UrlOptions(), cache_dir=None, cache_size=None)
+    try:
+        stream = open_url(url.rsplit("/", 1)[0] + "/" + name, options)
+    except NotFoundError:
+        return None
+    with stream:
+        return stream.read()
+
+
+def parsed_to_end(stream: BinaryIO) -> None:
+    """Tell a stream from :func:`open_url` that the tar parser reached the end of its archive
+    without an error (a caching stream keeps its copy only then)."""
+    complete = getattr(stream, "complete", None)
+    if complete is not None:
+        complete()
+
+
+def _open_http(url: str, options: UrlOptions) -> BinaryIO:
+    return cast(BinaryIO, _RetryingStream(url, _HttpOpener(url, options), options))
+
+
+def _open_s3(url: str, options: UrlOptions) -> BinaryIO:
+    return cast(BinaryIO, _RetryingStream(url, _S3Opener(url, options), options))
 
 
 class _Transient(Exception):
@@ -242,29 +383,58 @@ class _RetryingStream(io.RawIOBase):
         super().close()
 
 
+def _changed(url: str, offset: int, how: str) -> ShardError:
+    return ShardError(f"the object changed while it was being read ({how}); the bytes read "
+                      "before belong to another version: read the shard again", url, offset)
+
+
 class _HttpOpener:
-    """GET with ``Range: bytes=N-`` through http.client, following redirects."""
+    """GET with ``Range: bytes=N-`` through http.client, following redirects. The first
+    response's ETag (or Last-Modified) is what every resumed request asks for (``If-Range``)
+    and must match."""
 
-    def __init__(self, url: str, timeout: float):
+    def __init__(self, url: str, options: UrlOptions):
         self.url = url
-        self.timeout = timeout
+        self.timeout = options.timeout
+        self.headers = dict(options.headers)
+        self.etag: str | None = None
+        self.modified: str | None = None
+        self._seen = False  # whether a response was accepted (and its validators kept)
 
-    def open(self, offset: int):
+    def _request(self, url: str, offset: int):
         import http.client
 
+        parts = urllib.parse.urlsplit(url)
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = cls(parts.hostname or "", parts.port, timeout=self.timeout)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = dict(self.headers)
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+            strong = self.etag if self.etag and not self.etag.startswith("W/") else None
+            if strong or self.modified:
+                headers["If-Range"] = strong or cast(str, self.modified)
+        try:
+            conn.request("GET", path, headers=headers)
+            return conn, conn.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise _Transient(f"HTTP request failed: {exc}") from exc
+
+    def _same_object(self, resp, offset: int) -> None:
+        """Keep the first response's validators; raise if a later one names another version."""
+        etag, modified = resp.getheader("ETag"), resp.getheader("Last-Modified")
+        if not self._seen:
+            self.etag, self.modified, self._seen = etag, modified, True
+        elif self.etag and etag and etag != self.etag:
+            raise _changed(self.url, offset, f"ETag {self.etag}, now {etag}")
+        elif not self.etag and self.modified and modified and modified != self.modified:
+            raise _changed(self.url, offset, f"Last-Modified {self.modified}, now {modified}")
+
+    def open(self, offset: int):
         url = self.url
         for _ in range(6):
-            parts = urllib.parse.urlsplit(url)
-            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = cls(parts.hostname, parts.port, timeout=self.timeout)
-            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            headers = {"Range": f"bytes={offset}-"} if offset else {}
-            try:
-                conn.request("GET", path, headers=headers)
-                resp = conn.getresponse()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                raise _Transient(f"HTTP request failed: {exc}") from exc
+            conn, resp = self._request(url, offset)
             if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
                 url = urllib.parse.urljoin(url, resp.getheader("Location"))
                 conn.close()
@@ -277,7 +447,13 @@ class _HttpOpener:
                 raise _Transient(f"HTTP status {resp.status}")
             if resp.status not in (200, 206):
                 conn.close()
-                raise ShardError(f"HTTP status {resp.status} {resp.reason}", self.url)
+                error = NotFoundError if resp.status in (404, 410) else ShardError
+                raise error(f"HTTP status {resp.status} {resp.reason}", self.url)
+            try:
+                self._same_object(resp, offset)
+            except ShardError:
+                conn.close()
+                raise
             length = resp.getheader("Content-Length")
             body = _HttpBody(conn, resp)
             if offset and resp.status == 200:  # server ignored the range: skip what we have
@@ -342,7 +518,9 @@ def _s3_client(endpoint: str | None, timeout: float):
 
 
 class _S3Opener:
-    """``get_object`` with a byte range through boto3."""
+    """``get_object`` with a byte range through boto3; resumed reads ask for the first
+    response's version (``VersionId`` where the bucket keeps versions, else ``IfMatch`` on its
+    ETag)."""
 
     def __init__(self, url: str, options: UrlOptions):
         parts = urllib.parse.urlsplit(url)
@@ -352,26 +530,53 @@ class _S3Opener:
         self.endpoint = (options.s3_endpoint or os.environ.get("EMBER_S3_ENDPOINT_URL")
                          or os.environ.get("AWS_ENDPOINT_URL") or None)
         self.timeout = options.timeout
+        self.etag: str | None = None
+        self.version: str | None = None
 
-    def open(self, offset: int):
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        client = _s3_client(self.endpoint, self.timeout)
-        kwargs = {"Bucket": self.bucket, "Key": self.key}
+    def _request(self, offset: int) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key}
         if offset:
             kwargs["Range"] = f"bytes={offset}-"
+            if self.version:
+                kwargs["VersionId"] = self.version
+            if self.etag:
+                kwargs["IfMatch"] = self.etag
+        return kwargs
+
+    def open(self, offset: int):
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+
+        client = _s3_client(self.endpoint, self.timeout)
         try:
-            resp = client.get_object(**kwargs)
+            resp = client.get_object(**self._request(offset))
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if code == "InvalidRange" and offset:
                 return _Empty(), offset
+            if code in ("PreconditionFailed", "NoSuchVersion") or status == 412:
+                raise _changed(self.url, offset, f"{code or status}: it no longer is version "
+                               f"{self.version or self.etag}") from None
             if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
                 raise _Transient(f"S3 error {code}") from exc
-            raise ShardError(f"S3 error {code or status}: {exc}", self.url) from None
+            error = NotFoundError if code in ("NoSuchKey", "NoSuchBucket") else ShardError
+            raise error(f"S3 error {code or status}: {exc}", self.url) from None
+        except (NoCredentialsError, PartialCredentialsError) as exc:
+            raise ShardError(f"S3 credentials are missing or incomplete ({exc}); set "
+                             "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile",
+                             self.url) from None
         except BotoCoreError as exc:
             raise _Transient(f"S3 request failed: {exc}") from exc
+        if not offset:
+            self.etag, self.version = resp.get("ETag"), resp.get("VersionId")
+        elif self.etag and resp.get("ETag") and resp["ETag"] != self.etag:
+            resp["Body"].close()
+            raise _changed(self.url, offset, f"ETag {self.etag}, now {resp['ETag']}")
         length = resp.get("ContentLength")
         return resp["Body"], (offset + length) if length is not None else None
 
@@ -408,8 +613,8 @@ class _PipeStream(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def read(self, n: int = -1) -> bytes:
-        out = self.proc.stdout
+    def read(self, n: int | None = -1) -> bytes:
+        out = cast(io.BufferedReader, self.proc.stdout)
         # read1: return what the command has written so far instead of waiting for n bytes
         data = out.read1(n) if n is not None and n > 0 else out.read()
         if not data:
@@ -459,3 +664,31 @@ def as_list(urls: str | Sequence[str]) -> list[str]:
     if not out:
         raise ValueError("no shard URLs given")
     return out
+
+
+def _open_tcp(url: str, options: UrlOptions) -> BinaryIO:
+    """``tcp://HOST:PORT``: the bytes a server sends on connecting (a producer streaming a
+    shard), with ``options.timeout`` per connect and read; not resumable."""
+    import socket
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ShardError("expected tcp://HOST:PORT", url)
+    try:
+        sock = socket.create_connection((parts.hostname, port), timeout=options.timeout)
+    except OSError as exc:
+        raise ShardError(f"cannot connect: {exc}", url) from exc
+    with sock:  # the file keeps the connection open until it is closed
+        return sock.makefile("rb")
+
+
+register_opener("file", _open_file)
+register_opener("http", _open_http, cacheable=True)
+register_opener("https", _open_http, cacheable=True)
+register_opener("s3", _open_s3, cacheable=True)
+register_opener("pipe", _open_pipe, siblings=False)
+register_opener("tcp", _open_tcp, siblings=False)

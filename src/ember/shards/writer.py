@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ember.shards.decode import (
     CBOR_EXTENSIONS,
@@ -49,13 +49,13 @@ def _image_bytes(ext: str, value: Any) -> bytes:
         import torch
 
         if isinstance(value, torch.Tensor):
-            arr = value.detach().cpu()
-            if arr.ndim == 3:
-                arr = arr.permute(1, 2, 0)
-            value = arr.numpy()
+            t = value.detach().cpu()
+            if t.ndim == 3:
+                t = t.permute(1, 2, 0)
+            value = t.numpy()
         if not isinstance(value, np.ndarray):
             raise TypeError(f"cannot encode {type(value).__name__} as .{ext}")
-        arr = value
+        arr: np.ndarray = value
         if arr.dtype != np.uint8:
             arr = (np.clip(arr, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
         if arr.ndim == 3 and arr.shape[2] == 1:
@@ -148,11 +148,12 @@ class TarWriter:
             if compress is None:
                 compress = path.endswith((".gz", ".tgz"))
             self.path: str | None = path
-            self._tmp = path + ".writing"
+            self._tmp: str = path + ".writing"
             self._raw: BinaryIO = open(self._tmp, "wb", buffering=1 << 20)  # noqa: SIM115
         else:
             self.path = None
-            self._raw = dest  # type: ignore[assignment]
+            self._tmp = ""
+            self._raw = cast(BinaryIO, dest)
         self._gz = gzip.GzipFile(fileobj=self._raw, mode="wb", mtime=0) if compress else None
         self._out = self._gz if self._gz is not None else self._raw
         self._write = self._out.write
@@ -204,6 +205,7 @@ class TarWriter:
         key = sample.get("__key__")
         fields = sorted(k for k in sample if k[:2] != "__")
         check_sample_names(key, fields)
+        assert isinstance(key, str)  # (checked above)
         if not fields:
             raise ValueError(f"sample {key!r} has no fields to write")
         if key == self._last_key:
@@ -214,6 +216,7 @@ class TarWriter:
         start = self.offset
         for ext in fields:
             value = sample[ext]
+            data: bytes | bytearray | memoryview
             if self.encode or not isinstance(value, (bytes, bytearray, memoryview)):
                 data = encode_field(ext, value)
             else:
@@ -242,7 +245,7 @@ class TarWriter:
             self._gz.close()
         if self._own:
             self._raw.close()
-            os.replace(self._tmp, self.path)
+            os.replace(self._tmp, cast(str, self.path))
         else:
             self._raw.flush()
 
@@ -349,7 +352,7 @@ class ShardWriter:
             return
         tw.close()
         self._close_stream()
-        path = self._path
+        path = cast(str, self._path)  # set by _open with the TarWriter
         self.shards.append(path)
         if self.index:
             idx = make_index(path, tw.spans, os.path.getsize(path))
@@ -368,7 +371,7 @@ class ShardWriter:
             tw = None
         if tw is None:
             self._open()
-            tw = self._tw
+            tw = cast(TarWriter, self._tw)
         tw.encode = False
         if tw.count == 0 and sample.get("__key__") == self._last_key:
             # the previous sample ended the last shard: readers of the series would merge the two

@@ -20,12 +20,13 @@ from ember.shards import (
     DecodeError,
     RayShardLoader,
     ShardDataset,
+    ShardError,
     ShardLoader,
     expand_urls,
     ignore_and_continue,
 )
 from ember.shards.decode import IMAGE_EXTENSIONS
-from ember.shards.urls import local_path
+from ember.shards.urls import file_beside, local_path
 from ember.train.errors import ConfigError
 
 __all__ = ["IMAGE_KEYS", "ImageExample", "check_shards", "image_class_loader", "image_size_arg",
@@ -142,18 +143,20 @@ class ImageExample:
 
 def read_class_names(urls: str | Sequence[str]) -> list[str] | None:
     """The class names of the ``classes.json`` files (``{"classes": [...]}``, as ``ember shards
-    create`` writes them) next to the local shards, or None when there is none. Folders whose
-    files name other classes are a ConfigError: a label would mean one class in one folder and
-    another in the next."""
-    folders: list[str] = []
+    create`` writes them) next to the shards (local, or remote where files lie beside them:
+    http(s), s3), or None when there is none. Folders whose files name other classes are a
+    ConfigError: a label would mean one class in one folder and another in the next."""
+    folders: dict[str, str] = {}  # folder -> a shard in it
     for url in expand_urls(urls):
         path = local_path(url)
-        folder = os.path.dirname(os.path.abspath(path)) if path is not None else None
-        if folder is not None and folder not in folders:
-            folders.append(folder)
+        folder = os.path.dirname(os.path.abspath(path)) if path is not None else url.rsplit("/", 1)[0]
+        folders.setdefault(folder, url)
     names, where = None, None
-    for folder in folders:
-        mine = _class_file(os.path.join(folder, "classes.json"))
+    for folder, url in folders.items():
+        if local_path(url) is not None:
+            mine = _class_file(os.path.join(folder, "classes.json"))
+        else:
+            mine = _remote_class_file(url, f"{folder}/classes.json")
         if mine is None:
             continue
         if names is not None and mine != names:
@@ -173,8 +176,23 @@ def _class_file(file: str) -> list[str] | None:
         return None
     try:
         with open(file, encoding="utf-8") as f:
-            names = json.load(f)["classes"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+            return _class_list(f.read(), file)
+    except OSError as exc:
+        raise ConfigError(f"{file} is not a classes.json of `ember shards create`: {exc}") from None
+
+
+def _remote_class_file(shard: str, file: str) -> list[str] | None:
+    try:
+        data = file_beside(shard, "classes.json")
+    except ShardError as exc:
+        raise ConfigError(f"cannot read {file}: {exc}") from None
+    return None if data is None else _class_list(data, file)
+
+
+def _class_list(text: str | bytes, file: str) -> list[str]:
+    try:
+        names = json.loads(text)["classes"]
+    except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{file} is not a classes.json of `ember shards create`: {exc}") from None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"{file}: 'classes' must be a list of names")
