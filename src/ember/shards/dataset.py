@@ -156,7 +156,7 @@ class ShardDataset(IterableDataset):
                                   s3_endpoint=s3_endpoint,
                                   cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
                                   cache_size=cache_size)
-        self.stages: list[tuple[str, tuple]] = []
+        self.stages: list[stages.Stage] = []
         self._cell = _EpochCell()
         self._running: int | None = None  # epoch of the direct iteration in progress
         self._fixed_epoch: int | None = None  # set by ShardLoader for its copies
@@ -210,17 +210,17 @@ class ShardDataset(IterableDataset):
         out.length = n
         return out
 
-    def _with(self, kind: str, *payload) -> ShardDataset:
+    def _with(self, stage: stages.Stage) -> ShardDataset:
+        if not stage.dataset_level:
+            raise ValueError(f"{stage.name}() runs at the loader level: use "
+                             f"ShardLoader(...).{stage.name}()")
         out = copy.copy(self)
-        out.stages = self.stages + [(kind, payload)]
+        out.stages = self.stages + [stage]
         return out
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> ShardDataset:
         """Shuffle samples through a buffer of ``bufsize`` (reproducible per seed and epoch)."""
-        bufsize = integer(bufsize, "bufsize", minimum=0)
-        if initial is not None:
-            initial = integer(initial, "initial", minimum=0)
-        return self._with("shuffle", bufsize, initial)
+        return self._with(stages.Shuffle(bufsize, initial))
 
     def decode(self, *handlers: str | Callable, only: str | list[str] | None = None,
                allow_pickle: bool = False, max_pixels: int | None = 89_478_485,
@@ -231,7 +231,7 @@ class ShardDataset(IterableDataset):
         Without ``handler``, a DecodeError goes to the dataset's ``on_error``; with it, any
         exception while decoding a sample goes to ``handler`` (see :meth:`map`)."""
         decoder = Decoder(*handlers, only=only, allow_pickle=allow_pickle, max_pixels=max_pixels)
-        return self._with("decode", decoder, _check_handler(handler))
+        return self._with(stages.Decode(decoder, handler))
 
     def map(self, fn: Callable[[Any], Any], *,
             handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
@@ -241,57 +241,48 @@ class ShardDataset(IterableDataset):
         skip the item, False to end the stream, or raises (``reraise_exception``,
         ``warn_and_continue``, ``ignore_and_continue``, ``warn_and_stop``). Skipped items are
         counted in ``error_count``. Default: the exception propagates."""
-        return self._with("map", fn, _check_handler(handler))
+        return self._with(stages.Map(fn, handler))
 
     def map_dict(self, *, handler: Callable[[Exception], Any] | None = None,
                  **fns: Callable) -> ShardDataset:
         """Apply ``fns[field]`` to those fields of every sample dict (``handler`` as in map)."""
-        return self._with("map_dict", fns, _check_handler(handler))
+        return self._with(stages.MapDict(fns, handler))
 
     def map_tuple(self, *fns: Callable | None,
                   handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
         """Apply ``fns[i]`` to element ``i`` of every tuple item; None keeps the element
         (``handler`` as in map)."""
-        if not fns or not all(f is None or callable(f) for f in fns):
-            raise TypeError(f"expected map_tuple(*fns) with callables or None, got {fns!r}")
-        return self._with("map_tuple", tuple(fns), _check_handler(handler))
+        return self._with(stages.MapTuple(fns, handler))
 
     def rename(self, keep: bool = True, **renames: str) -> ShardDataset:
         """Rename fields, ``new="old1;old2"`` (first present); ``keep=False`` drops the others."""
-        return self._with("rename", renames, keep)
+        return self._with(stages.Rename(renames, keep))
 
     def select(self, predicate: Callable[[Any], bool]) -> ShardDataset:
         """Keep items for which ``predicate(item)`` is true."""
-        return self._with("select", predicate)
+        return self._with(stages.Select(predicate))
 
     def to_tuple(self, *fields: str, missing_ok: bool = False,
                  handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
         """Turn dicts into tuples: ``to_tuple("jpg;png cls")`` -> (jpg or png, cls)
         (``handler`` as in map, e.g. to skip samples missing a field)."""
-        return self._with("to_tuple", fields, missing_ok, _check_handler(handler))
+        return self._with(stages.ToTuple(fields, missing_ok, handler))
 
     def slice(self, *args: int | None) -> ShardDataset:
         """``itertools.islice`` on each reading stream: ``slice(stop)`` or
         ``slice(start, stop[, step])`` (per pass, per rank x worker stream)."""
-        if not 1 <= len(args) <= 3:
-            raise TypeError(f"slice expected 1 to 3 arguments, got {len(args)}")
-        s = slice(*args)
-        start = 0 if s.start is None else integer(s.start, "slice start", minimum=0)
-        stop = None if s.stop is None else integer(s.stop, "slice stop", minimum=0)
-        step = 1 if s.step is None else integer(s.step, "slice step", minimum=1)
-        return self._with("slice", start, stop, step)
+        return self._with(stages.Slice(*args))
 
     def rsample(self, p: float = 0.5) -> ShardDataset:
         """Keep each item with probability ``p``, drawn from the pipeline's generator
         (reproducible per seed and epoch, and resumed exactly)."""
-        return self._with("rsample", real(p, "rsample probability p", minimum=0.0, maximum=1.0))
+        return self._with(stages.RSample(p))
 
     def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
                 partial: bool = True) -> ShardDataset:
         """Group items into batches of ``batchsize`` (collated by ``collation_fn``, or lists if
         None); each worker's last batch may be short unless ``partial=False``."""
-        return self._with("batched", integer(batchsize, "batchsize", minimum=1), collation_fn,
-                          partial)
+        return self._with(stages.Batched(batchsize, collation_fn, partial))
 
     def with_epoch(self, n: int) -> ShardDataset:
         """Make every epoch yield exactly ``n`` items per reading stream (rank x worker).
@@ -450,23 +441,17 @@ class ShardDataset(IterableDataset):
 
     def _pipeline(self, src: Iterator, epoch: int, rank: int, world: int, worker: int,
                   num_workers: int, pass_: int, policy: _ErrorPolicy, skipping: bool) -> Iterator:
-        for i, (kind, p) in enumerate(self.stages):
-            if kind == "shuffle":
-                g = self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
-                                                     world, worker, num_workers, i))
-                src = stages.shuffle(src, p[0], p[1], g)
-            elif kind == "rsample":
-                g = self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
-                                                     world, worker, num_workers, i))
-                src = stages.rsample(src, p[0], g)
-            elif kind == "slice":
-                src = stages.islice_stream(src, p[0], p[1], p[2])
-            elif kind == "batched":
-                collate = _collate_unless_skipped(p[1]) if skipping else p[1]
-                src = stages.batched(src, p[0], collate, p[2])
+        def draw(i: int) -> torch.Generator:
+            return self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
+                                                    world, worker, num_workers, i))
+
+        ctx = stages.StageContext(draw, policy,
+                                  collate=_collate_unless_skipped if skipping else None)
+        for i, stage in enumerate(self.stages):
+            if skipping and stage.one_to_one:
+                src = _around_skipped(src, lambda s, st=stage, k=i: st.run(s, ctx, k))
             else:
-                stage = _one_to_one(kind, p, policy)
-                src = _around_skipped(src, stage) if skipping else stage(src)
+                src = stage.run(src, ctx, i)
         return src
 
     def _pass(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
@@ -511,12 +496,7 @@ class ShardDataset(IterableDataset):
         """Whether how many items a stream yields, and which samples each is made of, depend on
         sample counts only (no select, no decode errors skipped), so the delivered part of a
         resumed stream can be worked out from indexes without reading it."""
-        for kind, p in self.stages:
-            if kind == "select" or (kind == "decode" and self.on_error != "raise"):
-                return False
-            if kind in _HANDLED and p[-1] is not None:
-                return False  # a handler may skip items
-        return True
+        return not any(stage.counts_depend_on_content(self.on_error) for stage in self.stages)
 
     def _resumed_items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
                        policy: _ErrorPolicy, skip: int) -> Iterator | None:
@@ -682,51 +662,3 @@ class ShardDataset(IterableDataset):
             # shards or samples skipped after the stream's last item: an empty group carries the
             # count (it hands out no item, so the order of the items is unchanged)
             yield worker, [policy.count], []
-
-
-_HANDLED = ("decode", "map", "map_dict", "map_tuple", "to_tuple")
-
-
-def _check_handler(handler: Callable[[Exception], Any] | None) -> Callable | None:
-    if handler is not None and not callable(handler):
-        raise TypeError(f"expected handler= to be None or a callable taking the exception "
-                        f"(e.g. warn_and_continue), got {handler!r}")
-    return handler
-
-
-def _one_to_one(kind: str, p: tuple, policy: _ErrorPolicy) -> Callable[[Iterator], Iterator]:
-    """The stage for a pipeline entry that turns each item into at most one item (exactly one
-    unless it has a handler= or is a select)."""
-    if kind in _HANDLED and p[-1] is not None:
-        handler = p[-1]
-        one = _per_item(kind, p[:-1])
-
-        def count() -> None:
-            policy.count += 1
-
-        return lambda src: stages.handled(src, one, handler, count)
-    if kind == "decode":
-        return lambda src: stages.decode(src, p[0], policy)
-    if kind == "map":
-        return lambda src: stages.map_samples(src, p[0])
-    if kind == "map_dict":
-        return lambda src: stages.map_dict(src, p[0])
-    if kind == "map_tuple":
-        return lambda src: stages.map_tuple(src, p[0])
-    if kind == "rename":
-        return lambda src: stages.rename(src, p[0], p[1])
-    if kind == "select":
-        return lambda src: stages.select(src, p[0])
-    if kind == "to_tuple":
-        return lambda src: stages.to_tuple(src, p[0], p[1])
-    raise AssertionError(kind)  # pragma: no cover
-
-
-def _per_item(kind: str, p: tuple) -> Callable[[Any], Any]:
-    """The function of item to item that a one-to-one stage applies."""
-    if kind in ("decode", "map"):
-        return p[0]
-    gen = {"map_dict": lambda src: stages.map_dict(src, p[0]),
-           "map_tuple": lambda src: stages.map_tuple(src, p[0]),
-           "to_tuple": lambda src: stages.to_tuple(src, p[0], p[1])}[kind]
-    return lambda item: next(gen(iter((item,))))

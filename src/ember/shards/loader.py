@@ -88,7 +88,7 @@ class ShardLoader:
             self.transfer_group = 1  # nothing to transfer
         elif transfer_group is not None:
             self.transfer_group = transfer_group
-        elif any(kind == "batched" for kind, _ in dataset.stages):
+        elif any(isinstance(stage, stages.Batched) for stage in dataset.stages):
             self.transfer_group = 1
         else:
             self.transfer_group = DEFAULT_TRANSFER_GROUP
@@ -100,34 +100,36 @@ class ShardLoader:
         self._next = 0
         self._group = self.transfer_group
         self._resume: dict | None = None
-        self._stages: list[tuple[str, tuple]] = []  # loader-level stages
+        self._stages: list[stages.Stage] = []  # loader-level stages
         self._running = None  # this epoch's LoaderStages
         self._drained = False  # the loader-level stages are emptying after the workers ended
         self.length: int | None = None
 
     # ---- loader-level stages (main process, over all workers' items) -----------------------
 
-    def _with(self, kind: str, *args) -> ShardLoader:
+    def _with(self, stage: stages.Stage) -> ShardLoader:
+        if not stage.loader_level:
+            raise ValueError(f"{stage.name}() runs in the dataset's reading streams, not at the "
+                             "loader level")
         out = copy.copy(self)
-        out._stages = self._stages + [(kind, args)]
+        out._stages = self._stages + [stage]
         out.length = None
         out._kept = None  # a loader of its own: its own persistent workers
         return out
 
     def unbatched(self) -> ShardLoader:
         """Split every item (a batch from the workers) into its samples."""
-        return self._with("unbatched")
+        return self._with(stages.Unbatched())
 
     def shuffle(self, bufsize: int) -> ShardLoader:
         """Shuffle items across workers through a buffer of ``bufsize`` (reproducible per seed
         and epoch; the buffer is part of state_dict())."""
-        return self._with("shuffle", integer(bufsize, "bufsize", minimum=1))
+        return self._with(stages.Shuffle(integer(bufsize, "bufsize", minimum=1)))
 
     def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
                 partial: bool = True) -> ShardLoader:
         """Group items into batches of ``batchsize`` in the main process (across workers)."""
-        return self._with("batched", integer(batchsize, "batchsize", minimum=1), collation_fn,
-                          partial)
+        return self._with(stages.Batched(batchsize, collation_fn, partial))
 
     def with_length(self, n: int) -> ShardLoader:
         """Declare how many items an epoch of this loader yields: ``len()`` returns it."""

@@ -25,7 +25,7 @@ import torch
 
 from ember.shards import plan, stages
 from ember.shards.checks import integer
-from ember.shards.dataset import _HANDLED, ShardDataset, _one_to_one
+from ember.shards.dataset import ShardDataset
 from ember.shards.errors import ShardError
 from ember.shards.reading import _ErrorPolicy, iter_shard, rank_and_world
 
@@ -36,11 +36,6 @@ __all__ = ["RayShardLoader"]
 
 STATE_VERSION = 1
 DEFAULT_TRANSFER_GROUP = 128  # items per object a task sends when the pipeline is not batched
-
-# stages a task runs on the samples of its one shard (shuffle and rsample: within the shard)
-_PER_SHARD = ("shuffle", "rsample", "decode", "map", "map_dict", "map_tuple", "rename", "select",
-              "to_tuple")
-
 
 def _ray() -> Any:
     try:
@@ -59,7 +54,7 @@ class _Spec:
 
     urls: list[str]
     options: UrlOptions
-    stages: list[tuple[str, tuple]]  # the per-sample stages, in order
+    stages: list[stages.Stage]  # the per-shard stages, in order
     batch: tuple[int, Callable | None] | None  # batched(n, collation_fn): (n, collation_fn)
     seed: int
     generator: torch.Generator | None
@@ -122,7 +117,7 @@ def _shard_samples(url: str, options: UrlOptions, limit: int | None, out: _Outco
 
 
 class _TaskErrors:
-    """The dataset's on_error on a worker, for ``_one_to_one``: ``"raise"`` raises, anything
+    """The dataset's on_error on a worker, for the stages: ``"raise"`` raises, anything
     else keeps the error for the training process's on_error. ``count`` counts the items that
     stage handlers skipped; ``stopped`` is set when a handler ended the stream."""
 
@@ -149,20 +144,15 @@ class _TaskErrors:
         return handle
 
 
-def _stage(src: Iterator, kind: str, p: tuple, index: int, spec: _Spec, draws: tuple,
-           errors: _TaskErrors) -> Iterator:
-    """Stage ``index`` of the pipeline (``kind`` with payload ``p``) over ``src``: the same stage
-    functions, handler rules and error counting as local reading; shuffle and rsample draw from
-    a generator of (seed, epoch, shard, visit, stage)."""
-    if kind in ("shuffle", "rsample"):
-        g = plan.make_generator(plan.derive_seed(spec.seed, "ray", *draws, index),
-                                copy.deepcopy(spec.generator))
-        if kind == "shuffle":
-            return stages.shuffle(src, p[0], p[1], g)
-        return stages.rsample(src, p[0], g)
-    if kind in _HANDLED and p[-1] is not None:
-        p = p[:-1] + (errors.watch(p[-1]),)
-    return _one_to_one(kind, p, errors)(src)
+def _context(spec: _Spec, draws: tuple, errors: _TaskErrors) -> stages.StageContext:
+    """How a task runs the pipeline's stages: the same stage functions, handler rules and error
+    counting as local reading; stages that draw get a generator of (seed, epoch, shard, visit,
+    stage)."""
+    def draw(index: int) -> torch.Generator:
+        return plan.make_generator(plan.derive_seed(spec.seed, "ray", *draws, index),
+                                   copy.deepcopy(spec.generator))
+
+    return stages.StageContext(draw, errors, watch=errors.watch)
 
 
 def _full_batches(items: Iterator, size: int, collate: Callable | None,
@@ -190,8 +180,9 @@ def run_shard(spec: _Spec, shard: int, epoch: int, visit: int, limit: int | None
     out = _Outcome()
     errors = _TaskErrors(spec.raise_errors, where)
     src: Iterator = _shard_samples(url, spec.options, limit, out, errors)
-    for i, (kind, p) in enumerate(spec.stages):
-        src = _stage(src, kind, p, i, spec, draws, errors)
+    ctx = _context(spec, draws, errors)
+    for i, stage in enumerate(spec.stages):
+        src = stage.run(src, ctx, i)
     if spec.batch is not None:
         src = _full_batches(src, spec.batch[0], spec.batch[1], out)
     group: list = []
@@ -304,7 +295,7 @@ class RayShardLoader:
         if self.rank is not None and self.world_size is not None:
             plan.stream_index(self.rank, self.world_size, 0, 1)  # validates
         self.max_in_flight = max_in_flight
-        batched = dataset.stages and dataset.stages[-1][0] == "batched"
+        batched = bool(dataset.stages) and dataset.stages[-1].ray_scope == "final"
         if transfer_group is not None:
             self.transfer_group = transfer_group
         else:
@@ -487,9 +478,11 @@ class RayShardLoader:
         mine, quota, sizes = self._plan(epoch, rank, world)
         batch = None
         per_sample = ds.stages
-        if ds.stages and ds.stages[-1][0] == "batched":
-            size, collate, partial = ds.stages[-1][1]
-            batch = (size, collate)
+        partial = True
+        last = ds.stages[-1] if ds.stages else None
+        if isinstance(last, stages.Batched):
+            batch = (last.batchsize, last.collation_fn)
+            partial = last.partial
             per_sample = ds.stages[:-1]
         spec = _Spec(urls=ds.urls, options=ds.options, stages=per_sample, batch=batch,
                      seed=ds.seed, generator=ds.generator, raise_errors=ds.on_error == "raise",
@@ -643,8 +636,9 @@ def _put_spec(ray: Any, spec: _Spec) -> Any:
 
 def _unpicklable(ray: Any, spec: _Spec) -> tuple[str, str] | None:
     """What in ``spec`` cannot be pickled, in words, and why; None if all of it can."""
-    parts = [(f"stage {i} ({kind}{_callable_name(p)})", p) for i, (kind, p) in
-             enumerate(spec.stages)]
+    parts: list[tuple[str, Any]] = [
+        (f"stage {i} ({stage.name}{_callable_name(stage.callables())})", stage)
+        for i, stage in enumerate(spec.stages)]
     if spec.batch is not None:
         parts.append((f"the collation_fn of batched{_callable_name(spec.batch)}", spec.batch))
     parts += [("the dataset's URL options", spec.options),
@@ -657,7 +651,7 @@ def _unpicklable(ray: Any, spec: _Spec) -> tuple[str, str] | None:
     return None
 
 
-def _callable_name(p: tuple) -> str:
+def _callable_name(p: Any) -> str:
     names = [getattr(x, "__qualname__", None) for x in p if callable(x)]
     names = [n for n in names if n]
     return f" {names[0]}" if names else ""
@@ -675,12 +669,15 @@ def _check_pipeline(ds: ShardDataset) -> None:
         if callable(getattr(ds, name)):
             raise ValueError(f"RayShardLoader needs {name}='auto' or None (shards are dealt to "
                              "ranks by ember's plan)")
-    kinds = [kind for kind, _ in ds.stages]
-    for j, kind in enumerate(kinds):
-        if kind == "batched":
-            if j != len(kinds) - 1:
-                raise ValueError(f"RayShardLoader needs batched(n) as the last stage, got "
-                                 f"{kinds[j + 1]!r} after it (map the items before batching)")
-        elif kind not in _PER_SHARD:
-            raise ValueError(f"RayShardLoader does not run the {kind!r} stage (stages it runs: "
-                             f"{', '.join(_PER_SHARD)}, batched)")
+    for j, stage in enumerate(ds.stages):
+        if stage.ray_scope == "final":
+            if j != len(ds.stages) - 1:
+                raise ValueError(f"RayShardLoader needs {stage.name}(n) as the last stage, got "
+                                 f"{ds.stages[j + 1].name!r} after it (map the items before "
+                                 "batching)")
+        elif stage.ray_scope != "shard":
+            runs = [c.name for c in stages.REGISTRY.values()
+                    if c.ray_scope == "shard" and c.dataset_level]
+            finals = [c.name for c in stages.REGISTRY.values() if c.ray_scope == "final"]
+            raise ValueError(f"RayShardLoader does not run the {stage.name!r} stage (stages it "
+                             f"runs: {', '.join(runs + finals)})")
