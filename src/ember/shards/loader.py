@@ -161,6 +161,7 @@ class ShardLoader:
         if self._stages:
             state["loader_stages"] = self._running.state() if self._running is not None else None
             state["loader_drained"] = self._drained
+            state["loader_epoch"] = True  # "epoch" is the epoch being drained, not the next one
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -174,6 +175,8 @@ class ShardLoader:
         probe = copy.copy(self.dataset)
         probe.load_state_dict(state)  # validates
         self.epoch = int(state["epoch"])
+        if state.get("loader_drained") and "loader_epoch" not in state:
+            self.epoch -= 1  # saved by an older ember while draining: it named the next epoch
         self._resume = dict(state)
         self._errors = list(probe._resume["errors"])  # error_count continues from the state
         self._kept = None  # persistent workers hold the old position: start new ones
@@ -207,6 +210,7 @@ class ShardLoader:
     def __iter__(self) -> Iterator:
         if not self._stages:
             yield from self._upstream()
+            self.epoch += 1
             return
         resume = self._resume
         loader_state = resume.get("loader_stages") if resume is not None else None
@@ -215,7 +219,6 @@ class ShardLoader:
         if drained:  # the workers had finished: only the buffers are left of that epoch
             self._resume = None
             upstream: Iterator = iter(())
-            epoch -= 1
         else:
             upstream = self._upstream()
         self._running = running = LoaderStages(self._stages, self.dataset.seed, epoch)
@@ -235,6 +238,7 @@ class ShardLoader:
                 close()
         self._running = None
         self._drained = False
+        self.epoch = epoch + 1  # a full pass: the workers' items and the buffers they filled
 
     def _upstream(self) -> Iterator:
         self.dataset._check_streams(self.dataset._rank_world()[1], self._streams)
@@ -303,6 +307,7 @@ class ShardLoader:
         finally:
             if arena is not None:
                 arena.close()  # the workers' mappings go with them
-        self.epoch += 1
+        # the epoch moves on when the loader's pass ends (__iter__), after any loader-level
+        # stages have drained their buffers
         self._consumed, self._next = [0] * n, 0
         self._group = self.transfer_group
