@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import multiprocessing
-import multiprocessing.context
 import os
-import random
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -37,35 +34,26 @@ from ember.shards.index import read_index
 # DEFAULT_TRANSFER_* and _shard_from moved; re-exported for code that imports them from here
 from ember.shards.loader import DEFAULT_TRANSFER_GROUP, DEFAULT_TRANSFER_MEMORY, ShardLoader  # noqa: F401
 from ember.shards.reading import _ErrorPolicy, _samples, _shard_from, iter_shard, rank_and_world  # noqa: F401
-from ember.shards.resume import (
+from ember.shards.resume import (  # noqa: F401 (STATE_VERSION: re-exported)
     _END,
     STATE_VERSION,
+    StreamState,
     _around_skipped,
     _collate_unless_skipped,
     _Delivered,
-    _EpochCell,
     _IndexedLayout,
     _NoIndex,
     _Position,
     _Skipped,
     _SkippingReader,
+    check_state,
 )
-from ember.shards.transfer import TransferArena
 from ember.shards.urls import UrlOptions, as_list, local_path, open_url
 
 __all__ = ["ShardDataset", "ShardLoader", "iter_shard", "rank_and_world"]
 
 
 _AUTO = "auto"
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
-
-
 def _split_with(splitter: Callable, urls: list[str], what: str) -> list[str]:
     """Apply a webdataset-style splitter (an iterable of ``{"url": ...}`` dicts in, the selected
     ones out; plain URL strings out are accepted too) to a list of URLs."""
@@ -114,19 +102,9 @@ class ShardDataset(IterableDataset):
                  cache_dir: str | os.PathLike | None = None, cache_size: int | None = None):
         super().__init__()
         self.urls = as_list(urls)
-        for name, fn in (("nodesplitter", nodesplitter), ("workersplitter", workersplitter)):
-            if fn is not None and fn != _AUTO and not callable(fn):
-                raise ValueError(f"expected {name}='auto', None or a callable, got {fn!r}")
+        _check_splitting(nodesplitter, workersplitter, resampled, equalize)
         self.nodesplitter, self.workersplitter = nodesplitter, workersplitter
         self.resampled = bool(resampled)
-        if self.resampled and equalize is not None:
-            raise ValueError("equalize= does not apply to resampled=True (every stream is endless;"
-                             " use with_epoch(n) to give every stream n items per epoch)")
-        custom = nodesplitter != _AUTO or workersplitter != _AUTO
-        if custom and equalize is not None:
-            raise ValueError("equalize= needs ember's own splitting (nodesplitter='auto', "
-                             "workersplitter='auto'): with other splitters a rank cannot know "
-                             "what the other ranks read")
         self.shuffle_shards = shuffle_shards
         self.seed = integer(seed, "seed")
         self.generator = generator
@@ -135,66 +113,46 @@ class ShardDataset(IterableDataset):
         if rank is not None:
             rank = integer(rank, "rank", minimum=0)
         self.rank, self.world_size = rank, world_size
-        policy = _ErrorPolicy(on_error)  # validates on_error
+        _ErrorPolicy(on_error)  # validates on_error
         self.on_error = on_error
-        if equalize not in (None, "drop", "repeat"):
-            raise ValueError(f"expected equalize=None, 'drop' or 'repeat', got {equalize!r}")
         self.equalize = equalize
-        if shard_sizes is not None:
-            shard_sizes = [integer(n, "shard_sizes entries", minimum=0) for n in shard_sizes]
-        if shard_sizes is not None and len(shard_sizes) != len(self.urls):
-            raise ValueError(f"shard_sizes has {len(shard_sizes)} entries for {len(self.urls)} "
-                             "shards")
-        self.shard_sizes = list(shard_sizes) if shard_sizes is not None else None
-        if cache_size is not None and cache_dir is None:
-            raise ValueError("cache_size= needs cache_dir=")
-        if cache_size is not None:
-            cache_size = integer(cache_size, "cache_size", minimum=0)
-        timeout = real(timeout, "timeout", above=0.0)
-        retries = integer(retries, "retries", minimum=0)
-        self.options = UrlOptions(timeout=timeout, retries=retries, allow_pipe=allow_pipe,
-                                  s3_endpoint=s3_endpoint,
-                                  cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
-                                  cache_size=cache_size)
+        self.shard_sizes = _checked_sizes(shard_sizes, len(self.urls))
+        self.options = _url_options(timeout, retries, allow_pipe, s3_endpoint, cache_dir,
+                                    cache_size)
         self.stages: list[stages.Stage] = []
-        self._cell = _EpochCell()
-        self._running: int | None = None  # epoch of the direct iteration in progress
-        self._fixed_epoch: int | None = None  # set by ShardLoader for its copies
-        self._live: tuple[int, Iterator] | None = None  # with_epoch: (position, stream) kept
         self.length: int | None = None
-        self._warned_streams = False
         self.epoch_length: int | None = None
-        self._pos = _Position(0, policy)  # fresh for each iteration and each loaded state
-        self._resume: dict | None = None
-        self._tagged = False  # set by ShardLoader: yield (stream, error counts, items) groups
-        self._group = 1
-        self._arena: TransferArena | None = None  # set by ShardLoader: shared memory for groups
+        self._state = StreamState(on_error)
 
-    # ---- fluent pipeline -------------------------------------------------------------------
+    def __copy__(self) -> ShardDataset:
+        out = self.__class__.__new__(self.__class__)
+        out.__dict__.update(self.__dict__)
+        out._state = self._state.fork()
+        return out
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_live"] = None
-        if multiprocessing.context.get_spawning_popen() is None:
-            # not a worker being started: a copy gets its own counter, starting where this is
-            state["_cell"] = self._cell.snapshot()
-        return state
+    @property
+    def state(self) -> StreamState:
+        """Where iteration of this pipeline stands (epoch, position, a loaded state): see
+        :class:`ember.shards.resume.StreamState`."""
+        return self._state
 
-    def __setstate__(self, state: dict) -> None:
-        if isinstance(state["_cell"], tuple):
-            state["_cell"] = _EpochCell(*state["_cell"])
-        self.__dict__.update(state)
+    def with_state(self, state: StreamState) -> ShardDataset:
+        """A copy of this pipeline whose iteration is owned by ``state`` (a loader gives its
+        DataLoader workers such a copy: ``state.for_loader(...)``)."""
+        out = copy.copy(self)
+        out._state = state
+        return out
 
     @property
     def error_count(self) -> int:
         """Errors skipped so far in the current (or last) direct iteration, as on_error and the
         stage handlers counted them (continued from a loaded state)."""
-        return self._pos.policy.count
+        return self._state.pos.policy.count
 
     @property
     def epoch(self) -> int:
         """The epoch the next iteration uses."""
-        return self._cell.next_epoch()
+        return self._state.next_epoch
 
     def __len__(self) -> int:
         if self.length is None:
@@ -301,37 +259,21 @@ class ShardDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose shard order and shuffle are used by the next iteration (also
         by DataLoader workers, persistent ones included)."""
-        self._cell.set_next(integer(epoch, "epoch", minimum=0))
+        self._state.set_epoch(integer(epoch, "epoch", minimum=0))
 
     def state_dict(self) -> dict:
         """The position of direct (main-process) iteration: load it to continue exactly there."""
-        if self._running is not None:
-            epoch, consumed, errors = self._running, self._pos.consumed, self._pos.policy.count
-        else:
-            epoch, consumed, errors = self.epoch, 0, 0
-        return {"version": STATE_VERSION, "epoch": epoch, "seed": self.seed,
-                "num_workers": 1, "consumed": [consumed], "next": 0,
-                "num_shards": len(self.urls), "errors": [errors]}
+        return self._state.position(self.epoch, len(self.urls), self.seed)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state`` (from this class's or ShardLoader's state_dict())."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported shard state version {state.get('version')!r}")
-        if state["seed"] != self.seed or state["num_shards"] != len(self.urls):
-            raise ValueError(f"state is for seed={state['seed']} over {state['num_shards']} "
-                             f"shards, this dataset has seed={self.seed} over {len(self.urls)}")
-        self.set_epoch(int(state["epoch"]))
-        self._running = None
-        errors = [int(e) for e in state.get("errors", [0] * len(state["consumed"]))]
-        if len(errors) != len(state["consumed"]) or min(errors, default=0) < 0:
-            raise ValueError(f"state's errors {state.get('errors')!r} do not match its "
-                             f"{len(state['consumed'])} reading streams")
-        self._resume = {"epoch": int(state["epoch"]), "consumed": list(state["consumed"]),
-                        "next": int(state["next"]), "num_workers": int(state["num_workers"]),
-                        "errors": errors}
-        policy = _ErrorPolicy(self.on_error)
-        policy.count = errors[0] if len(errors) == 1 else 0  # direct iteration counts on from here
-        self._pos = _Position(0, policy)
+        self._state.load(self.check_state(state))
+
+    def check_state(self, state: dict) -> dict:
+        """The resume point of ``state`` (from this class's or ShardLoader's state_dict()):
+        epoch, items consumed, errors counted per reading stream, the stream that delivers next;
+        ValueError if it is not a state of this pipeline."""
+        return check_state(state, self.seed, len(self.urls))
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -526,14 +468,17 @@ class ShardDataset(IterableDataset):
         reader = _SkippingReader(layout, delivered, self.options, policy)
         return self._items(epoch, rank, world, worker, num_workers, policy, reader.samples, True)
 
+    def check_streams(self, num_workers: int) -> None:
+        """Warn (once per dataset) when some of the ``world x num_workers`` reading streams get
+        no shard and nothing evens that out."""
+        self._check_streams(self._rank_world()[1], num_workers)
+
     def _check_streams(self, world: int, num_workers: int) -> None:
-        """Warn (once per dataset) when some reading streams get no shard and nothing evens
-        that out."""
         if (self.resampled or self.nodesplitter != _AUTO or self.workersplitter != _AUTO
                 or self.equalize == "repeat" or self.epoch_length is not None
-                or len(self.urls) >= world * num_workers or self._warned_streams):
+                or len(self.urls) >= world * num_workers or self._state.warned_streams):
             return
-        self._warned_streams = True
+        self._state.warned_streams = True
         warnings.warn(f"{len(self.urls)} shards for {world * num_workers} reading streams "
                       f"({world} ranks x {num_workers} workers): some streams get no shard, so "
                       "ranks and workers are uneven; use more shards or fewer workers, or "
@@ -546,62 +491,30 @@ class ShardDataset(IterableDataset):
 
     def __iter__(self) -> Iterator:
         info = get_worker_info()
+        st = self._state
+        epoch = st.begin(info)
         physical, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rank, world = self._rank_world()
-        if self._fixed_epoch is not None:
-            epoch = self._fixed_epoch
-        else:
-            key = (info.seed - info.id) & ((1 << 63) - 1) if info is not None else \
-                random.getrandbits(63)
-            epoch = self._cell.begin(key, physical)
-        resume = self._resume
-        self._resume = None
-        if physical == 0 and not self._tagged:
+        resume = st.take_resume()
+        if physical == 0 and not st.tagged:
             self._check_streams(world, num_workers)
-        worker, skip, counted = physical, 0, None
-        if resume is not None and resume["epoch"] == epoch:
-            if resume["num_workers"] != num_workers:
-                raise ValueError(f"state was saved with {resume['num_workers']} reading workers, "
-                                 f"resuming with {num_workers}")
-            # DataLoader cycles workers from 0; rotate so the next stream to deliver comes first
-            worker = (resume["next"] + physical) % num_workers
-            skip = resume["consumed"][worker]
-            counted = resume["errors"][worker]  # skipped before the saved position
-            if resume["next"] and callable(self.workersplitter):
-                raise ValueError("cannot resume this state with a custom workersplitter: the "
-                                 "state's next stream is not worker 0 (use workersplitter='auto')")
+        worker, skip, counted = self._resume_point(resume, epoch, physical, num_workers)
         n = self.epoch_length
         continued = n is not None and not self.resampled
         start = epoch * n if continued else 0  # with_epoch: where this epoch's items begin
         limit = None if n is None else n - skip
-        stream = (rank, world, worker, num_workers, start + skip)
-        policy = _ErrorPolicy(self.on_error)
-        items = None
-        if continued and self._live is not None and self._live[0] == stream:
-            items, policy = self._live[1], self._live[2]  # the stream left off right here
-            ahead = 0
-        else:
-            ahead = start + skip
-        self._live = None
-        if ahead:
-            items = self._resumed_items(epoch, rank, world, worker, num_workers, policy, ahead)
-        seeking = items is not None and ahead > 0
-        if items is None:
-            items = self._items(epoch, rank, world, worker, num_workers, policy)
+        where = (rank, world, worker, num_workers)
+        items, policy, ahead, seeking = self._open(epoch, where, start + skip, continued)
         full = items
         keep = False
-        self._running = epoch
+        st.running = epoch
         try:
-            for _ in range(ahead):
-                item = next(items, _END)
-                if item is _END:
-                    return
-                if seeking and not isinstance(item, _Skipped):
-                    raise RuntimeError("index-based resume went out of step (a bug in ember)")
+            if not _fast_forward(items, ahead, seeking):
+                return
             if counted is not None:
                 policy.count = counted  # whatever fast-forwarding counted, the run had these
-            pos = self._pos = _Position(skip, policy)
-            if self._tagged:
+            pos = st.pos = _Position(skip, policy)
+            if st.tagged:
                 if limit is not None:
                     items = itertools.islice(items, limit)
                 yield from self._groups(items, worker, skip, seeking, pos)
@@ -614,14 +527,45 @@ class ShardDataset(IterableDataset):
                 if seeking and isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
                 yield item
-            self._running = None
+            st.running = None
             pos.consumed = 0
             if continued:
-                self._live = ((rank, world, worker, num_workers, start + n), full, policy)
+                st.live = (where + (start + n,), full, policy)  # type: ignore[operator]
                 keep = True
         finally:
             if not keep:
                 getattr(full, "close", lambda: None)()
+
+    def _resume_point(self, resume: dict | None, epoch: int, physical: int,
+                      num_workers: int) -> tuple[int, int, int | None]:
+        """The reading stream a DataLoader worker runs, the items of it already delivered, and
+        the errors counted before them (None: not resuming)."""
+        if resume is None or resume["epoch"] != epoch:
+            return physical, 0, None
+        if resume["num_workers"] != num_workers:
+            raise ValueError(f"state was saved with {resume['num_workers']} reading workers, "
+                             f"resuming with {num_workers}")
+        if resume["next"] and callable(self.workersplitter):
+            raise ValueError("cannot resume this state with a custom workersplitter: the "
+                             "state's next stream is not worker 0 (use workersplitter='auto')")
+        # DataLoader cycles workers from 0; rotate so the next stream to deliver comes first
+        worker = (resume["next"] + physical) % num_workers
+        return worker, resume["consumed"][worker], resume["errors"][worker]
+
+    def _open(self, epoch: int, where: tuple[int, int, int, int], at: int,
+              continued: bool) -> tuple[Iterator, _ErrorPolicy, int, bool]:
+        """The items of stream ``where`` (rank, world, worker, num_workers) in ``epoch``, to be
+        taken from position ``at``: (items, their error policy, how many items to pass over
+        first, whether those are placeholders of an index-based seek)."""
+        st = self._state
+        live, st.live = st.live, None
+        if continued and live is not None and live[0] == where + (at,):
+            return live[1], live[2], 0, False  # the stream left off right here
+        policy = _ErrorPolicy(self.on_error)
+        items = self._resumed_items(epoch, *where, policy, at) if at else None
+        if items is not None:
+            return items, policy, at, True
+        return self._items(epoch, *where, policy), policy, at, False
 
     def _groups(self, items: Iterator, worker: int, skip: int, seeking: bool,
                 pos: _Position) -> Iterator[tuple[int, list[int], list]]:
@@ -631,10 +575,10 @@ class ShardDataset(IterableDataset):
         the streams exactly as the uninterrupted one. Items already grouped when an error is
         raised are sent before it. With a transfer arena, their large bytes values go through
         shared memory."""
-        size = self._group
+        size = self._state.group
         room = size - skip % size
         policy = pos.policy
-        arena = self._arena
+        arena = self._state.arena
         pack = (lambda item: arena.pack(worker, item)) if arena is not None else (lambda item: item)
         seal = (lambda g: arena.seal(worker, g)) if arena is not None else (lambda g: g)
         group: list = []
@@ -662,3 +606,55 @@ class ShardDataset(IterableDataset):
             # shards or samples skipped after the stream's last item: an empty group carries the
             # count (it hands out no item, so the order of the items is unchanged)
             yield worker, [policy.count], []
+
+
+def _fast_forward(items: Iterator, ahead: int, seeking: bool) -> bool:
+    """Pass over the first ``ahead`` items (placeholders, if ``seeking``); False if the stream
+    ended first."""
+    for _ in range(ahead):
+        item = next(items, _END)
+        if item is _END:
+            return False
+        if seeking and not isinstance(item, _Skipped):
+            raise RuntimeError("index-based resume went out of step (a bug in ember)")
+    return True
+
+
+def _check_splitting(nodesplitter: Any, workersplitter: Any, resampled: bool,
+                     equalize: str | None) -> None:
+    for name, fn in (("nodesplitter", nodesplitter), ("workersplitter", workersplitter)):
+        if fn is not None and fn != _AUTO and not callable(fn):
+            raise ValueError(f"expected {name}='auto', None or a callable, got {fn!r}")
+    if equalize not in (None, "drop", "repeat"):
+        raise ValueError(f"expected equalize=None, 'drop' or 'repeat', got {equalize!r}")
+    if resampled and equalize is not None:
+        raise ValueError("equalize= does not apply to resampled=True (every stream is endless;"
+                         " use with_epoch(n) to give every stream n items per epoch)")
+    custom = nodesplitter != _AUTO or workersplitter != _AUTO
+    if custom and equalize is not None:
+        raise ValueError("equalize= needs ember's own splitting (nodesplitter='auto', "
+                         "workersplitter='auto'): with other splitters a rank cannot know "
+                         "what the other ranks read")
+
+
+def _checked_sizes(shard_sizes: Sequence[int] | None, num_shards: int) -> list[int] | None:
+    if shard_sizes is None:
+        return None
+    sizes = [integer(n, "shard_sizes entries", minimum=0) for n in shard_sizes]
+    if len(sizes) != num_shards:
+        raise ValueError(f"shard_sizes has {len(sizes)} entries for {num_shards} shards")
+    return sizes
+
+
+def _url_options(timeout: float, retries: int, allow_pipe: bool, s3_endpoint: str | None,
+                 cache_dir: str | os.PathLike | None, cache_size: int | None) -> UrlOptions:
+    """The URL options of the constructor's keyword arguments (checked)."""
+    if cache_size is not None and cache_dir is None:
+        raise ValueError("cache_size= needs cache_dir=")
+    if cache_size is not None:
+        cache_size = integer(cache_size, "cache_size", minimum=0)
+    return UrlOptions(timeout=real(timeout, "timeout", above=0.0),
+                      retries=integer(retries, "retries", minimum=0), allow_pipe=allow_pipe,
+                      s3_endpoint=s3_endpoint,
+                      cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
+                      cache_size=cache_size)

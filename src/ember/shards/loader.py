@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from ember.shards import stages
 from ember.shards.checks import integer
 from ember.shards.rebatch import LoaderStages
-from ember.shards.resume import STATE_VERSION, _EpochCell
+from ember.shards.resume import STATE_VERSION
 from ember.shards.transfer import TransferArena
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class ShardLoader:
         self.persistent_workers = bool(kwargs.pop("persistent_workers", False))
         if self.persistent_workers and num_workers < 1:
             raise ValueError("persistent_workers=True needs num_workers >= 1")
-        self._kept: tuple | None = None  # persistent workers: (DataLoader, dataset copy, group)
+        self._kept: tuple | None = None  # persistent workers: (DataLoader, copy, group, arena)
         if batch_size is not None:
             # as DataLoader's batch_size: batches made in the workers, collated by collate_fn
             batch_size = integer(batch_size, "batch_size", minimum=1)
@@ -172,13 +172,12 @@ class ShardLoader:
                              f"has {self._streams}")
         if bool(self._stages) != ("loader_stages" in state):
             raise ValueError("state and loader differ in having loader-level stages")
-        probe = copy.copy(self.dataset)
-        probe.load_state_dict(state)  # validates
+        resume = self.dataset.check_state(state)
         self.epoch = int(state["epoch"])
         if state.get("loader_drained") and "loader_epoch" not in state:
             self.epoch -= 1  # saved by an older ember while draining: it named the next epoch
         self._resume = dict(state)
-        self._errors = list(probe._resume["errors"])  # error_count continues from the state
+        self._errors = list(resume["errors"])  # error_count continues from the state
         self._kept = None  # persistent workers hold the old position: start new ones
 
     def _arena(self) -> TransferArena | None:
@@ -241,53 +240,47 @@ class ShardLoader:
         self.epoch = epoch + 1  # a full pass: the workers' items and the buffers they filled
 
     def _upstream(self) -> Iterator:
-        self.dataset._check_streams(self.dataset._rank_world()[1], self._streams)
+        self.dataset.check_streams(self._streams)
         group = self.transfer_group
         if self._kept is not None and self._resume is None and self._kept[2] == group:
             # persistent workers: the next epoch (or this one again after a break)
             self._consumed, self._next, self._group = [0] * self._streams, 0, group
             self._errors = [0] * self._streams
-            yield from self._read(*self._kept[:2])
+            yield from self._read(self._kept[0], self._kept[1], self._kept[3])
             return
-        ds = copy.copy(self.dataset)
-        ds._fixed_epoch = self.epoch
-        ds._tagged = True
         if self.dataset.equalize is not None:
-            ds.ensure_shard_sizes()
-            self.dataset.shard_sizes = ds.shard_sizes
+            self.dataset.ensure_shard_sizes()  # once, here, not in every worker
+        resume = None
         if self._resume is not None:
-            ds.load_state_dict(self._resume)
-            consumed = list(self._resume["consumed"])
-            errors = [int(e) for e in self._resume.get("errors", [0] * self._streams)]
-            first = int(self._resume["next"])
+            resume = self.dataset.check_state(self._resume)
+            consumed, errors, first = resume["consumed"], resume["errors"], resume["next"]
             if self.num_workers:  # states without the key are from per-item transfer
                 group = int(self._resume.get("transfer_group", 1))
             self._resume = None
         else:
             consumed, first, errors = [0] * self._streams, 0, [0] * self._streams
-        ds._group = group
         self._consumed, self._next, self._group = consumed, first, group
         self._errors = errors
-        ds._arena = self._arena()
+        arena = self._arena()
+        # the workers' copy: its epoch fixed (persistent workers: through its own epoch cell),
+        # its items sent in groups through the arena, continuing at the resume point
+        state = self.dataset.state.for_loader(self.epoch, group, arena, resume,
+                                              self.persistent_workers)
+        ds = self.dataset.with_state(state)
         # the groups travel as they are (DataLoader's default_convert would turn the items'
         # tuples into lists); collate_fn= was applied in the workers' pipeline
-        if self.persistent_workers:
-            # the workers keep their dataset copy: its epoch comes through its own epoch cell
-            ds._fixed_epoch = None
-            ds._cell = _EpochCell()
-            ds._live = None
         loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers,
                             collate_fn=_as_is, persistent_workers=self.persistent_workers,
                             **self.kwargs)
-        self._kept = (loader, ds, group) if self.persistent_workers else None
-        yield from self._read(loader, ds)
+        self._kept = (loader, ds, group, arena) if self.persistent_workers else None
+        yield from self._read(loader, ds, arena)
 
-    def _read(self, loader: DataLoader, ds: ShardDataset) -> Iterator:
+    def _read(self, loader: DataLoader, ds: ShardDataset, arena: TransferArena | None
+              ) -> Iterator:
         """One epoch of ``loader``'s groups, handed out item by item and counted."""
         if self.persistent_workers:
             ds.set_epoch(self.epoch)  # through the copy's epoch cell, into the workers
         consumed = self._consumed
-        arena = ds._arena
         n = self._streams
         try:
             for stream, errors, group in loader:
