@@ -76,3 +76,92 @@ def test_resume_loop_over_epochs_skips_no_epoch(tmp_path, num_workers):
         resumed.load_state_dict(older)
         assert resumed.epoch == state["epoch"]
         assert [_keys(b) for b in resumed] == full[stop:6], stop
+
+
+# ---- generator= ----------------------------------------------------------------------------------
+
+def _order(urls, generator, **kw):
+    ds = ShardDataset(urls, generator=generator, **kw).shuffle(16).map(_pair)
+    return [k for k, _ in ds]
+
+
+def test_os_keyed_generator_iterates_and_leaves_the_generator_as_it_was(tmp_path):
+    from ember.csprng import create_random_device_generator
+
+    urls = _shards(tmp_path)
+    g = create_random_device_generator()
+    before = bytes(g.get_state().tolist())
+    got = _order(urls, g)
+    assert sorted(got) == sorted(f"e{i:03d}_{j:03d}" for i in range(4) for j in range(6))
+    assert bytes(g.get_state().tolist()) == before  # drawn through substreams, not from g
+
+
+def test_two_os_keyed_generators_give_different_orders(tmp_path):
+    from ember.csprng import create_random_device_generator
+
+    urls = _shards(tmp_path)
+    orders = []
+    for _ in range(2):
+        g = create_random_device_generator(allow_pickle=True)
+        orders.append(_order(urls, g, seed=5))
+    assert sorted(orders[0]) == sorted(orders[1]) and orders[0] != orders[1]
+
+
+def test_the_same_seeded_generator_repeats_and_seed_keys_differ(tmp_path):
+    from ember.csprng import create_generator
+
+    urls = _shards(tmp_path)
+    g = create_generator(7)
+    first = _order(urls, g)
+    assert _order(urls, g) == first  # the generator is not consumed
+    assert _order(urls, create_generator(7)) == first
+    other = _order(urls, create_generator(8))
+    assert sorted(other) == sorted(first) and other != first
+    # the draws come from the generator's key, not from seed=
+    assert _order(urls, create_generator(7), seed=123) == first
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_os_keyed_generator_with_loader_workers_delivers_every_sample_once(tmp_path,
+                                                                          num_workers):
+    from ember.csprng import create_random_device_generator
+
+    urls = _shards(tmp_path, nshards=6)
+    g = create_random_device_generator()
+    ds = ShardDataset(urls, generator=g).shuffle(8).map(_pair)
+    loader = ShardLoader(ds, num_workers=num_workers)
+    for _ in range(2):
+        keys = [k for k, _ in loader]
+        assert sorted(keys) == sorted(f"e{i:03d}_{j:03d}" for i in range(6) for j in range(6))
+
+
+def test_pickled_dataset_holds_no_key_of_the_generator_given(tmp_path):
+    import pickle
+
+    from ember.csprng import create_random_device_generator
+
+    urls = _shards(tmp_path)
+    g = create_random_device_generator()
+    ds = ShardDataset(urls, generator=g).shuffle(8)
+    data = pickle.dumps(ds)  # what a spawned DataLoader worker receives
+    key = bytes(g.get_state().tolist())[8:24]
+    assert key not in data
+    copy = pickle.loads(data)
+    assert [s["__key__"] for s in copy] == [s["__key__"] for s in ds]
+
+
+def test_os_keyed_generator_over_several_ranks_is_refused_naming_the_fix(tmp_path):
+    from ember.csprng import create_generator, create_random_device_generator
+
+    urls = _shards(tmp_path)
+    ds = ShardDataset(urls, generator=create_random_device_generator(), rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"keyed from the OS.*create_generator\(seed\)"):
+        next(iter(ds))
+    # one key on every rank: the ranks together read every shard once
+    parts = [[s["__key__"] for s in ShardDataset(urls, generator=create_generator(3), rank=r,
+                                                  world_size=2)] for r in range(2)]
+    assert sorted(parts[0] + parts[1]) == sorted(f"e{i:03d}_{j:03d}" for i in range(4)
+                                                 for j in range(6))
+    own = ShardDataset(urls[:2], generator=create_random_device_generator(), nodesplitter=None,
+                       rank=0, world_size=2)
+    assert len(list(own)) == 12

@@ -79,8 +79,10 @@ class ShardDataset(IterableDataset):
     exception. ``equalize``: ``"drop"`` or ``"repeat"`` gives every rank the same number of
     samples per epoch (see :func:`ember.shards.plan.equal_quotas`); it needs per-shard sample
     counts, taken from ``shard_sizes``, else from index files, else by scanning the shards.
-    ``generator`` (optional) is the torch.Generator type to draw with, e.g. an ember.csprng
-    generator; it is copied and re-seeded from ``seed`` for every draw stream.
+    ``generator`` (optional): an ember.csprng generator draws the shard orders and shuffles from
+    its own substreams (``fold_in``; ``seed`` then does not enter the draws, and the generator
+    given is neither copied nor advanced); a torch.Generator is the type of generator to draw
+    with, seeded from ``seed`` for every draw stream.
 
     Epochs: every new iteration (direct, or one DataLoader epoch, with or without persistent
     workers) uses the epoch after the previous one, starting at 0; ``set_epoch(e)`` makes the next
@@ -107,7 +109,10 @@ class ShardDataset(IterableDataset):
         self.resampled = bool(resampled)
         self.shuffle_shards = shuffle_shards
         self.seed = integer(seed, "seed")
-        self.generator = generator
+        # an OS-keyed generator differs in every process: ranks cannot agree on shard orders
+        self._keyed_here = generator is not None and getattr(generator, "reproducible", True) \
+            is False
+        self.generator = plan.own_stream(generator)
         if world_size is not None:
             world_size = integer(world_size, "world_size", minimum=1)
         if rank is not None:
@@ -277,11 +282,9 @@ class ShardDataset(IterableDataset):
 
     # ---- reading ---------------------------------------------------------------------------
 
-    def _generator_copy(self) -> torch.Generator | None:
-        return copy.deepcopy(self.generator) if self.generator is not None else None
-
-    def _generator(self, seed: int) -> torch.Generator:
-        return plan.make_generator(seed, self._generator_copy())
+    def _generator(self, *path: int | str) -> torch.Generator:
+        """The generator of one draw stream (see plan.draw_generator)."""
+        return plan.draw_generator(self.seed, self.generator, *path)
 
     def ensure_shard_sizes(self) -> list[int]:
         """Sample counts of every shard (from shard_sizes, index files, or a header scan)."""
@@ -319,8 +322,7 @@ class ShardDataset(IterableDataset):
                num_workers: int) -> Iterator[str]:
         """resampled=True: the stream's endless shard draws, with replacement, uniform over the
         shard list, from (seed, epoch, rank, world, worker, num_workers)."""
-        g = self._generator(plan.derive_seed(self.seed, "resample", epoch, rank, world, worker,
-                                             num_workers))
+        g = self._generator("resample", epoch, rank, world, worker, num_workers)
         n = len(self.urls)
         while True:
             for i in torch.randint(n, (256,), generator=g).tolist():
@@ -330,7 +332,7 @@ class ShardDataset(IterableDataset):
                      borrow: bool) -> list[str]:
         """The shards one stream reads in one ordinary pass; ``borrow``: a stream left without
         shards reads one chosen from its position instead (so that it has items to give)."""
-        g = self._generator_copy()
+        g = self.generator
         if self.nodesplitter == _AUTO and self.workersplitter == _AUTO:
             idx = plan.worker_shards(len(self.urls), seed=self.seed, epoch=epoch, rank=rank,
                                      world=world, worker=worker, num_workers=num_workers,
@@ -350,7 +352,7 @@ class ShardDataset(IterableDataset):
                 urls = _split_with(self.workersplitter, urls, "workersplitter")
         if not urls and borrow:
             order = plan.shard_order(len(self.urls), seed=self.seed, epoch=epoch,
-                                     shuffle=self.shuffle_shards, generator=self._generator_copy())
+                                     shuffle=self.shuffle_shards, generator=self.generator)
             urls = [self.urls[order[plan.stream_index(rank, world, worker, num_workers)
                                     % len(order)]]]
         return urls
@@ -384,8 +386,7 @@ class ShardDataset(IterableDataset):
     def _pipeline(self, src: Iterator, epoch: int, rank: int, world: int, worker: int,
                   num_workers: int, pass_: int, policy: _ErrorPolicy, skipping: bool) -> Iterator:
         def draw(i: int) -> torch.Generator:
-            return self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
-                                                    world, worker, num_workers, i))
+            return self._generator("samples", epoch, pass_, rank, world, worker, num_workers, i)
 
         ctx = stages.StageContext(draw, policy,
                                   collate=_collate_unless_skipped if skipping else None)
@@ -404,7 +405,7 @@ class ShardDataset(IterableDataset):
             quota = plan.equal_quotas(self.ensure_shard_sizes(), seed=self.seed, epoch=epoch,
                                       world=world, num_workers=num_workers, mode=self.equalize,
                                       shuffle=self.shuffle_shards,
-                                      generator=self._generator_copy())[worker]
+                                      generator=self.generator)[worker]
             if quota == 0 and self.epoch_length is not None:
                 quota = None  # with_epoch gives the stream its items: read its (borrowed) shards
         raw = self._raw(epoch, rank, world, worker, num_workers, 0, read, quota)
@@ -487,7 +488,14 @@ class ShardDataset(IterableDataset):
     def _rank_world(self) -> tuple[int, int]:
         if self.nodesplitter is None:
             return 0, 1  # the URL list is this rank's own
-        return rank_and_world(self.rank, self.world_size)
+        rank, world = rank_and_world(self.rank, self.world_size)
+        if world > 1 and self._keyed_here:
+            raise ValueError(f"generator= is keyed from the OS, so each of the {world} ranks "
+                             "draws another shard order and they would read overlapping "
+                             "shards; give every rank a generator with the same key "
+                             "(ember.csprng.create_generator(seed)), or nodesplitter=None with "
+                             "each rank's own URL list")
+        return rank, world
 
     def __iter__(self) -> Iterator:
         info = get_worker_info()

@@ -149,8 +149,7 @@ def _context(spec: _Spec, draws: tuple, errors: _TaskErrors) -> stages.StageCont
     counting as local reading; stages that draw get a generator of (seed, epoch, shard, visit,
     stage)."""
     def draw(index: int) -> torch.Generator:
-        return plan.make_generator(plan.derive_seed(spec.seed, "ray", *draws, index),
-                                   copy.deepcopy(spec.generator))
+        return plan.draw_generator(spec.seed, spec.generator, "ray", *draws, index)
 
     return stages.StageContext(draw, errors, watch=errors.watch)
 
@@ -410,7 +409,7 @@ class RayShardLoader:
         the epoch reads shard ``mine[k % len(mine)]`` (its ``k // len(mine)``-th read)."""
         ds = self.dataset
         n = len(ds.urls)
-        gen = copy.deepcopy(ds.generator)
+        gen = ds.generator
         mine = plan.worker_shards(n, seed=ds.seed, epoch=epoch, rank=rank, world=world,
                                   worker=0, num_workers=1, shuffle=ds.shuffle_shards,
                                   generator=gen)
@@ -423,10 +422,10 @@ class RayShardLoader:
         sizes = ds.ensure_shard_sizes()
         quota = plan.equal_quotas(sizes, seed=ds.seed, epoch=epoch, world=world, num_workers=1,
                                   mode=ds.equalize, shuffle=ds.shuffle_shards,
-                                  generator=copy.deepcopy(ds.generator))[0]
+                                  generator=ds.generator)[0]
         if not mine:  # fewer shards than ranks: read the shard at the rank's position, as locally
             order = plan.shard_order(n, seed=ds.seed, epoch=epoch, shuffle=ds.shuffle_shards,
-                                     generator=copy.deepcopy(ds.generator))
+                                     generator=ds.generator)
             mine = [order[rank % n]]
         return mine, quota, sizes
 
