@@ -45,3 +45,31 @@ def test_dicts_with_different_keys_name_the_missing_key():
 def test_tuples_of_different_lengths_are_named():
     with pytest.raises(ValueError, match=r"item 2 has 3 fields, item 0 has 2.*collation_fn"):
         default_collate([(1, 2), (3, 4), (5, 6, 7)])
+
+
+def test_a_stage_class_with_a_name_becomes_a_fluent_method(tmp_path):
+    from ember.shards import ShardDataset, ShardWriter
+    from ember.shards import stages as stage_module
+
+    class _Twice(stage_module.Stage):
+        name = "twice_for_test"
+        one_to_one = True
+
+        def __init__(self, field: str):
+            self.field = field
+
+        def apply(self, src, ctx, index):
+            for sample in src:
+                yield {**sample, self.field: sample[self.field] * 2}
+
+    try:
+        url = str(tmp_path / "t.tar")
+        with ShardWriter(url.replace("t.tar", "t-%d.tar"), maxcount=10) as w:
+            for i in range(3):
+                w.write({"__key__": f"k{i}", "txt": f"{i}".encode()})
+        ds = ShardDataset(str(tmp_path / "t-0.tar")).twice_for_test("txt")
+        assert [s["txt"] for s in ds] == [b"00", b"11", b"22"]
+        assert ShardDataset.twice_for_test.__name__ == "twice_for_test"
+    finally:
+        stage_module.REGISTRY.pop("twice_for_test", None)
+        delattr(ShardDataset, "twice_for_test")

@@ -12,6 +12,7 @@ re-exported here, so ``from ember.shards.dataset import ShardLoader`` keeps work
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import os
 import warnings
@@ -614,6 +615,27 @@ class ShardDataset(IterableDataset):
             # shards or samples skipped after the stream's last item: an empty group carries the
             # count (it hands out no item, so the order of the items is unchanged)
             yield worker, [policy.count], []
+
+
+def _fluent(cls: type[stages.Stage]) -> Callable[..., ShardDataset]:
+    """The fluent method of a stage class: ``ds.<name>(*args)`` appends ``cls.build(*args)``."""
+    def method(self: ShardDataset, *args: Any, **kwargs: Any) -> ShardDataset:
+        return self._with(cls.build(*args, **kwargs))
+
+    method.__name__ = cls.name
+    method.__qualname__ = f"ShardDataset.{cls.name}"
+    method.__doc__ = cls.build.__doc__ if cls.build is not stages.Stage.build else cls.__doc__
+    method.__signature__ = inspect.signature(cls.build)  # type: ignore[attr-defined]
+    return method
+
+
+def _add_fluent(cls: type[stages.Stage]) -> None:
+    """Stage classes with a name and no method written out above get theirs."""
+    if cls.dataset_level and not hasattr(ShardDataset, cls.name):
+        setattr(ShardDataset, cls.name, _fluent(cls))
+
+
+stages.on_register(_add_fluent)
 
 
 def _fast_forward(items: Iterator, ahead: int, seeking: bool) -> bool:

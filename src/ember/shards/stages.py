@@ -264,6 +264,15 @@ def decode(src: Iterable[dict], decoder: Callable[[dict], dict],
 # ---- stages as objects ------------------------------------------------------------------------
 
 REGISTRY: dict[str, type[Stage]] = {}  # fluent name -> stage class
+_ON_REGISTER: list[Callable[[type[Stage]], None]] = []  # told of every stage class registered
+
+
+def on_register(fn: Callable[[type[Stage]], None]) -> None:
+    """Call ``fn(cls)`` for every stage class registered, those already registered first (this
+    is how ShardDataset gets a fluent method for each)."""
+    _ON_REGISTER.append(fn)
+    for cls in list(REGISTRY.values()):
+        fn(cls)
 
 
 class StageContext:
@@ -316,6 +325,8 @@ class Stage:
         super().__init_subclass__(**kwargs)
         if cls.name:
             REGISTRY[cls.name] = cls
+            for fn in _ON_REGISTER:
+                fn(cls)
 
     @classmethod
     def build(cls, *args: Any, **kwargs: Any) -> Stage:
