@@ -26,7 +26,8 @@ __all__ = ["shuffle", "map_samples", "map_dict", "map_tuple", "rename", "select"
            "batched", "default_collate", "decode", "handled", "islice_stream", "rsample",
            "reraise_exception", "warn_and_continue", "ignore_and_continue", "warn_and_stop",
            "Stage", "StageContext", "Shuffle", "Decode", "Map", "MapDict", "MapTuple", "Rename",
-           "Select", "ToTuple", "Slice", "RSample", "Batched", "Unbatched", "REGISTRY"]
+           "Select", "ToTuple", "Slice", "RSample", "Batched", "Unbatched", "ExtractKeys",
+           "REGISTRY", "on_register"]
 
 _BLOCK = 1024
 
@@ -593,6 +594,58 @@ class ToTuple(Stage):
 
     def apply(self, src: Iterator, ctx: StageContext, index: int) -> Iterator:
         return to_tuple(src, self.fields, self.missing_ok)
+
+
+class ExtractKeys(Stage):
+    """Turn sample dicts into tuples of the fields whose names match glob patterns."""
+
+    name = "extract_keys"
+    one_to_one = True
+    errors = "handler"
+
+    def __init__(self, patterns: tuple[list[str], ...], duplicate_is_error: bool,
+                 ignore_missing: bool, handler: Callable[[Exception], Any] | None):
+        self.patterns = patterns
+        self.duplicate_is_error = duplicate_is_error
+        self.ignore_missing = ignore_missing
+        self.handler = _check_handler(handler)
+
+    @classmethod
+    def build(cls, *patterns: str | list[str], duplicate_is_error: bool = True,
+              ignore_missing: bool = False,
+              handler: Callable[[Exception], Any] | None = None) -> Stage:
+        """Turn every sample dict into a tuple holding, for each pattern, the value of the field
+        whose name matches it, as webdataset's ``extract_keys``: a pattern is a glob matched
+        against the field name and against ``"." + name`` (``"*.jpg"`` matches ``jpg`` and
+        ``x.jpg``); ``"a;b"`` or a list gives alternatives. A pattern that matches no field
+        raises ValueError, or with ``ignore_missing`` is left out of the tuple; one that
+        matches several raises ValueError, or with ``duplicate_is_error=False`` takes the first
+        in the sample's order. ``handler`` as in ``map`` (e.g. to skip samples missing a
+        field)."""
+        if not patterns or not all(isinstance(p, (str, list, tuple)) for p in patterns):
+            raise TypeError(f"expected extract_keys(*patterns) with glob strings (or lists of "
+                            f"them), got {patterns!r}")
+        alternatives = tuple(p.split(";") if isinstance(p, str) else list(p) for p in patterns)
+        return cls(alternatives, bool(duplicate_is_error), bool(ignore_missing), handler)
+
+    def apply(self, src: Iterator, ctx: StageContext, index: int) -> Iterator:
+        from fnmatch import fnmatch
+
+        for sample in src:
+            out = []
+            for globs in self.patterns:
+                found = [k for k in sample
+                         if any(fnmatch(k, g) or fnmatch("." + k, g) for g in globs)]
+                if not found:
+                    if self.ignore_missing:
+                        continue
+                    raise ValueError(f"extract_keys: sample {sample.get('__key__')!r} has no "
+                                     f"field matching {globs}; fields are {sorted(sample)}")
+                if len(found) > 1 and self.duplicate_is_error:
+                    raise ValueError(f"extract_keys: fields {found} of sample "
+                                     f"{sample.get('__key__')!r} all match {globs}")
+                out.append(sample[found[0]])
+            yield tuple(out)
 
 
 _NO_CONTEXT = StageContext(draw=lambda index: torch.Generator(), errors=reraise_exception)
