@@ -253,7 +253,10 @@ class RayShardLoader:
     Errors are handled as locally: ``on_error`` applies to corrupt and truncated shards and to
     decode errors (a ``"raise"`` raises the original exception here, after the items before it;
     ``"warn"``, ``"skip"`` or a callable run here, in order, when the shard's items have been
-    handed out), ``handler=`` of the stages runs on the worker (the warnings issued there are
+    handed out; a task whose worker process dies, once Ray's own retries of it (``max_retries``
+    in ``ray_remote_args``) are spent, is a ShardError naming its shard, after the items it
+    sent: raised, or with another on_error the rest of that shard is skipped and counted),
+    ``handler=`` of the stages runs on the worker (the warnings issued there are
     issued again here when the shard's items have been handed out), and ``error_count`` counts
     both.
 
@@ -532,7 +535,8 @@ class RayShardLoader:
                     current = None
                     state.update(next=k, expected=pos["raw"])
                     continue
-                outcome = yield from self._hand_out(ray, current, pos)
+                url = ds.urls[mine[k % len(mine)]]
+                outcome = yield from self._hand_out(ray, current, pos, url)
                 current = None
                 idle = idle + 1 if outcome.raw == 0 else 0
                 # the task is done: the position moves past it before anything else is handed out
@@ -562,21 +566,30 @@ class RayShardLoader:
         self._last_errors = pos["errors"]
         self._pos = self._start_position()
 
-    def _hand_out(self, ray: Any, gen: Any, pos: dict) -> Iterator:
+    def _hand_out(self, ray: Any, gen: Any, pos: dict, url: str) -> Iterator:
         """The items of one task, counted in ``pos`` as they are handed out; returns the task's
-        _Outcome (raising its exception, if it ended with one, after its errors are applied)."""
-        for ref in gen:
-            obj = ray.get(ref)
-            if isinstance(obj, _Outcome):
-                for category, message in obj.warned:
-                    warnings.warn(message, category, stacklevel=4)  # at the caller of next()
-                if obj.fatal is not None:
-                    self._errors(obj, pos)
-                    raise obj.fatal
-                return obj
-            for item in obj:
-                pos["taken"] += 1
-                yield item
+        _Outcome (raising its exception, if it ended with one, after its errors are applied).
+        A task whose worker process died (after Ray's own retries, ``max_retries``) is a
+        ShardError naming its shard, handled by on_error as a shard that breaks off there."""
+        try:
+            for ref in gen:
+                obj = ray.get(ref)
+                if isinstance(obj, _Outcome):
+                    for category, message in obj.warned:
+                        warnings.warn(message, category, stacklevel=4)  # at the caller of next()
+                    if obj.fatal is not None:
+                        self._errors(obj, pos)
+                        raise obj.fatal
+                    return obj
+                for item in obj:
+                    pos["taken"] += 1
+                    yield item
+        except _died(ray) as exc:
+            error = ShardError(f"the Ray worker process reading it died ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''})", url)
+            if self.dataset.on_error == "raise":
+                raise error from exc
+            return _Outcome(skipped=[error])  # the rest of the shard is skipped
         raise RuntimeError("a Ray task ended without its outcome (a bug in ember)")
 
     def _errors(self, outcome: _Outcome, pos: dict) -> None:
@@ -586,6 +599,13 @@ class RayShardLoader:
         for exc in outcome.skipped:
             policy(exc)
         pos["errors"] = policy.count
+
+
+def _died(ray: Any) -> tuple[type[BaseException], ...]:
+    """Ray's exceptions for a task whose worker process or node went away."""
+    names = ("WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "OwnerDiedError",
+             "ObjectLostError")
+    return tuple(getattr(ray.exceptions, n) for n in names if hasattr(ray.exceptions, n))
 
 
 def _check_same_cluster(ray: Any, address: str | None, stacklevel: int) -> None:
