@@ -16,8 +16,8 @@ import inspect
 import itertools
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
 
 # DataLoader's worker loop seeds numpy.random: loaded here, forked workers inherit it instead of
 # each importing it every epoch, an import that has failed in a forked worker inside importlib's
@@ -312,7 +312,7 @@ class ShardDataset(IterableDataset):
             self.shard_sizes = sizes
         return self.shard_sizes
 
-    def _shard_samples(self, urls: list[str], policy: _ErrorPolicy) -> Iterator[dict]:
+    def _shard_samples(self, urls: Iterable[str], policy: _ErrorPolicy) -> Iterator[dict]:
         for url in urls:
             try:
                 yield from _samples(open_url(url, self.options), url)  # iter_shard, inlined
@@ -346,11 +346,12 @@ class ShardDataset(IterableDataset):
             if self.nodesplitter == _AUTO:
                 urls = urls[rank::world]
             elif self.nodesplitter is not None:
-                urls = _split_with(self.nodesplitter, urls, "nodesplitter")
+                urls = _split_with(cast(Callable, self.nodesplitter), urls, "nodesplitter")
             if self.workersplitter == _AUTO:
                 urls = urls[worker::num_workers]
             elif self.workersplitter is not None:
-                urls = _split_with(self.workersplitter, urls, "workersplitter")
+                urls = _split_with(cast(Callable, self.workersplitter), urls,
+                                   "workersplitter")
         if not urls and borrow:
             order = plan.shard_order(len(self.urls), seed=self.seed, epoch=epoch,
                                      shuffle=self.shuffle_shards, generator=self.generator)
@@ -359,7 +360,7 @@ class ShardDataset(IterableDataset):
         return urls
 
     def _raw(self, epoch: int, rank: int, world: int, worker: int, num_workers: int, pass_: int,
-             read: Callable[[list[str]], Iterator], quota: int | None) -> Iterator:
+             read: Callable[[Iterable[str]], Iterator], quota: int | None) -> Iterator:
         # returns the reader's own iterator where it can: one generator less per sample
         if self.resampled:
             return read(self._draws(epoch, rank, world, worker, num_workers))
@@ -393,7 +394,7 @@ class ShardDataset(IterableDataset):
                                   collate=_collate_unless_skipped if skipping else None)
         for i, stage in enumerate(self.stages):
             if skipping and stage.one_to_one:
-                src = _around_skipped(src, lambda s, st=stage, k=i: st.run(s, ctx, k))
+                src = _around_skipped(src, _running(stage, ctx, i))
             else:
                 src = stage.run(src, ctx, i)
         return src
@@ -413,7 +414,7 @@ class ShardDataset(IterableDataset):
         return self._pipeline(raw, epoch, rank, world, worker, num_workers, 0, policy, skipping)
 
     def _items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
-               policy: _ErrorPolicy, read: Callable[[list[str]], Iterator] | None = None,
+               policy: _ErrorPolicy, read: Callable[[Iterable[str]], Iterator] | None = None,
                skipping: bool = False) -> Iterator:
         """The items of one reading stream: one pass (or with_epoch's endless succession of
         passes, pass q as in epoch q); ``read(urls)`` yields the raw samples of a list of shards
@@ -458,7 +459,7 @@ class ShardDataset(IterableDataset):
                 item = next(shape, _END)
                 if item is _END:
                     break
-                delivered.add(item.positions)
+                delivered.add(cast(_Skipped, item).positions)
         except _NoIndex:
             return None
         finally:
@@ -510,7 +511,7 @@ class ShardDataset(IterableDataset):
         worker, skip, counted = self._resume_point(resume, epoch, physical, num_workers)
         n = self.epoch_length
         continued = n is not None and not self.resampled
-        start = epoch * n if continued else 0  # with_epoch: where this epoch's items begin
+        start = epoch * n if n is not None and continued else 0  # with_epoch: epoch's start
         limit = None if n is None else n - skip
         where = (rank, world, worker, num_workers)
         items, policy, ahead, seeking = self._open(epoch, where, start + skip, continued)
@@ -538,8 +539,8 @@ class ShardDataset(IterableDataset):
                 yield item
             st.running = None
             pos.consumed = 0
-            if continued:
-                st.live = (where + (start + n,), full, policy)  # type: ignore[operator]
+            if continued and n is not None:
+                st.live = (where + (start + n,), full, policy)
                 keep = True
         finally:
             if not keep:
@@ -636,6 +637,12 @@ def _add_fluent(cls: type[stages.Stage]) -> None:
 
 
 stages.on_register(_add_fluent)
+
+
+def _running(stage: stages.Stage, ctx: stages.StageContext, index: int
+             ) -> Callable[[Iterator], Iterator]:
+    """``stage`` as a function of its input, as stage ``index`` run by ``ctx``."""
+    return lambda src: stage.run(src, ctx, index)
 
 
 def _fast_forward(items: Iterator, ahead: int, seeking: bool) -> bool:

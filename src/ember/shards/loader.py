@@ -101,7 +101,7 @@ class ShardLoader:
         self._group = self.transfer_group
         self._resume: dict | None = None
         self._stages: list[stages.Stage] = []  # loader-level stages
-        self._running = None  # this epoch's LoaderStages
+        self._running: LoaderStages | None = None  # this epoch's loader-level stages
         self._drained = False  # the loader-level stages are emptying after the workers ended
         self.length: int | None = None
 
@@ -186,7 +186,8 @@ class ShardLoader:
                 or self.persistent_workers):
             return None  # (an arena lives for one epoch's workers)
         context = self.kwargs.get("multiprocessing_context")
-        method = context.get_start_method() if hasattr(context, "get_start_method") else context
+        get = getattr(context, "get_start_method", None)
+        method = get() if get is not None else context
         if not TransferArena.supported(method):
             return None
         slots = (self.kwargs.get("prefetch_factor") or 2) + 1

@@ -16,9 +16,9 @@ import random
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -113,7 +113,7 @@ def _shard_samples(url: str, options: UrlOptions, limit: int | None, out: _Outco
     except ShardError as exc:
         on_error(exc)
     finally:
-        samples.close()
+        getattr(samples, "close", lambda: None)()
 
 
 class _TaskErrors:
@@ -465,7 +465,7 @@ class RayShardLoader:
         finally:
             inner.close()
 
-    def _iterate(self) -> Iterator:
+    def _iterate(self) -> Generator[Any, None, None]:
         self._connect(stacklevel=5)  # the warning points at the caller of next()
         ray = _ray()
         ds = self.dataset
@@ -507,7 +507,7 @@ class RayShardLoader:
             if quota is not None:
                 # as locally: a shard is read to its end unless the quota is reached in it
                 limit = quota - assumed
-                state["expected"] = assumed + min(sizes[i], limit)
+                state["expected"] = assumed + min(cast(list, sizes)[i], limit)
             gen = remote.remote(spec_ref, i, epoch, k // len(mine), limit,
                                 skip if k == first else 0)
             inflight.append((k, assumed, gen))
@@ -541,12 +541,13 @@ class RayShardLoader:
                 idle = idle + 1 if outcome.raw == 0 else 0
                 # the task is done: the position moves past it before anything else is handed out
                 pending = pos["pending"] + outcome.leftover
-                ready = batch is not None and len(pending) >= batch[0]
+                size = batch[0] if batch is not None else 0
+                ready = batch is not None and len(pending) >= size
                 pos.update(task=k + 1, taken=0, raw=pos["raw"] + outcome.raw,
-                           pending=pending[batch[0]:] if ready else pending)
+                           pending=pending[size:] if ready else pending)
                 self._errors(outcome, pos)
-                if ready:
-                    yield _collate(batch, pending[:batch[0]])
+                if ready and batch is not None:
+                    yield _collate(batch, pending[:size])
                 if outcome.stopped:
                     break
                 if quota is not None and pos["raw"] < quota and idle >= len(mine):
@@ -566,7 +567,8 @@ class RayShardLoader:
         self._last_errors = pos["errors"]
         self._pos = self._start_position()
 
-    def _hand_out(self, ray: Any, gen: Any, pos: dict, url: str) -> Iterator:
+    def _hand_out(self, ray: Any, gen: Any, pos: dict, url: str
+                  ) -> Generator[Any, None, _Outcome]:
         """The items of one task, counted in ``pos`` as they are handed out; returns the task's
         _Outcome (raising its exception, if it ended with one, after its errors are applied).
         A task whose worker process died (after Ray's own retries, ``max_retries``) is a

@@ -99,7 +99,7 @@ class _Batch:
         self.size, self.collate, self.partial = size, collate, partial
 
     def pull(self, src: Callable[[], Any]) -> Any:
-        items = []
+        items: list = []
         while len(items) < self.size:
             item = src()
             if item is _END:

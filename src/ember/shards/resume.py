@@ -12,7 +12,7 @@ import multiprocessing
 import multiprocessing.context
 import random
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ember.shards.errors import ShardError
@@ -325,7 +325,7 @@ class _IndexedLayout:
         self.visits: list[tuple[str, int, int]] = []  # (url, first position, sample count)
         self.end = 0
 
-    def samples(self, urls: list[str]) -> Iterator[_Skipped]:
+    def samples(self, urls: Iterable[str]) -> Iterator[_Skipped]:
         for url in urls:
             if url not in self.indexes:
                 self.indexes[url] = _seekable_index(url, self.options)
@@ -365,7 +365,7 @@ class _SkippingReader:
         self.policy = policy
         self.pos = 0
 
-    def samples(self, urls: list[str]) -> Iterator:
+    def samples(self, urls: Iterable[str]) -> Iterator:
         for url in urls:
             k = self.pos
             if k >= self.delivered.end:  # past everything delivered: read as usual
