@@ -165,3 +165,19 @@ def test_os_keyed_generator_over_several_ranks_is_refused_naming_the_fix(tmp_pat
     own = ShardDataset(urls[:2], generator=create_random_device_generator(), nodesplitter=None,
                        rank=0, world_size=2)
     assert len(list(own)) == 12
+
+
+def test_loader_level_shuffle_draws_from_the_generator_not_seed(tmp_path):
+    from ember.csprng import create_generator
+
+    urls = _shards(tmp_path)
+
+    def order(generator, seed):
+        ds = ShardDataset(urls, seed=seed, shuffle_shards=False, generator=generator)
+        loader = ShardLoader(ds.map(_pair).batched(3)).unbatched().shuffle(64).batched(4)
+        return [k for b in loader for k in b[0]]
+
+    first = order(create_generator(7), 1)
+    assert order(create_generator(7), 2) == first
+    other = order(create_generator(8), 1)
+    assert sorted(other) == sorted(first) and other != first

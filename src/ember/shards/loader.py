@@ -221,7 +221,8 @@ class ShardLoader:
             upstream: Iterator = iter(())
         else:
             upstream = self._upstream()
-        self._running = running = LoaderStages(self._stages, self.dataset.seed, epoch)
+        self._running = running = LoaderStages(self._stages, self.dataset.seed, epoch,
+                                                     self.dataset.generator)
         if loader_state is not None:
             running.load(loader_state)
         self._drained = drained

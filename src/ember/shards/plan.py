@@ -35,7 +35,8 @@ def make_generator(seed: int, generator: torch.Generator | None = None) -> torch
     return g
 
 
-def _has_substreams(generator: Any) -> bool:
+def has_substreams(generator: Any) -> bool:
+    """Whether ``generator`` derives independent substreams (``fold_in``, as ember.csprng's)."""
     return generator is not None and callable(getattr(generator, "fold_in", None))
 
 
@@ -45,7 +46,7 @@ def own_stream(generator: Any) -> Any:
     one of its substreams, so that every process of a run (DataLoader workers, forked or spawned)
     derives the same draws from it, the generator given is neither copied, pickled nor advanced,
     and its key is in no copy; any other generator (a torch.Generator, or None) as it is."""
-    if not _has_substreams(generator):
+    if not has_substreams(generator):
         return generator
     try:
         sub = generator.fold_in(derive_seed(0, "ember.shards"))
@@ -62,7 +63,7 @@ def draw_generator(seed: int, generator: Any, *path: int | str) -> torch.Generat
     ``path`` of ``generator`` where it has substreams (``seed`` is then not used), else a
     generator of ``generator``'s type (a copy; a torch.Generator if None) seeded from
     ``(seed, *path)``."""
-    if _has_substreams(generator):
+    if has_substreams(generator):
         try:
             return generator.fold_in(derive_seed(0, *path))
         except NotImplementedError:

@@ -120,8 +120,8 @@ class LoaderStages:
     """One epoch of a list of loader-level stages (:class:`ember.shards.stages.Stage` objects
     with ``loader_level``) over an upstream iterator: each runs as its stage's ``runner``."""
 
-    def __init__(self, stages: list, seed: int, epoch: int):
-        self.stages = [stage.runner(seed, epoch, i) for i, stage in enumerate(stages)]
+    def __init__(self, stages: list, seed: int, epoch: int, generator: Any = None):
+        self.stages = [stage.runner(seed, epoch, i, generator) for i, stage in enumerate(stages)]
     def state(self) -> list:
         return [s.state() for s in self.stages]
 

@@ -352,8 +352,9 @@ class Stage:
         """The function of item to item of a one-to-one stage (what handler= guards)."""
         return lambda item: next(iter(self.apply(iter((item,)), _NO_CONTEXT, -1)))
 
-    def runner(self, seed: int, epoch: int, index: int) -> Any:
-        """A loader-level stage's running form (``pull``, ``state``, ``load``) for one epoch."""
+    def runner(self, seed: int, epoch: int, index: int, generator: Any = None) -> Any:
+        """A loader-level stage's running form (``pull``, ``state``, ``load``) for one epoch;
+        ``generator``: the dataset's (see ember.shards.plan.draw_generator)."""
         raise NotImplementedError(f"{self.name} does not run at the loader level")
 
     def callables(self) -> list[Callable]:
@@ -385,10 +386,15 @@ class Shuffle(Stage):
     def apply(self, src: Iterator, ctx: StageContext, index: int) -> Iterator:
         return shuffle(src, self.bufsize, self.initial, ctx.draw(index))
 
-    def runner(self, seed: int, epoch: int, index: int) -> Any:
+    def runner(self, seed: int, epoch: int, index: int, generator: Any = None) -> Any:
         from ember.shards import plan, rebatch
 
-        return rebatch._Shuffle(self.bufsize, plan.derive_seed(seed, "loader", epoch, index))
+        if plan.has_substreams(generator):  # the buffer's draws start from its substream
+            g = plan.draw_generator(seed, generator, "loader", epoch, index)
+            start = int(torch.randint(0, 1 << 62, (1,), generator=g).item())
+        else:
+            start = plan.derive_seed(seed, "loader", epoch, index)
+        return rebatch._Shuffle(self.bufsize, start)
 
 
 class RSample(Stage):
@@ -444,7 +450,7 @@ class Batched(Stage):
     def apply(self, src: Iterator, ctx: StageContext, index: int) -> Iterator:
         return batched(src, self.batchsize, ctx.collate(self.collation_fn), self.partial)
 
-    def runner(self, seed: int, epoch: int, index: int) -> Any:
+    def runner(self, seed: int, epoch: int, index: int, generator: Any = None) -> Any:
         from ember.shards import rebatch
 
         return rebatch._Batch(self.batchsize, self.collation_fn, self.partial)
@@ -461,7 +467,7 @@ class Unbatched(Stage):
     def apply(self, src: Iterator, ctx: StageContext, index: int) -> Iterator:
         raise NotImplementedError("unbatched() runs at the loader level (ShardLoader)")
 
-    def runner(self, seed: int, epoch: int, index: int) -> Any:
+    def runner(self, seed: int, epoch: int, index: int, generator: Any = None) -> Any:
         from ember.shards import rebatch
 
         return rebatch._Unbatch()
