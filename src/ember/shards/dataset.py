@@ -131,9 +131,12 @@ class ShardDataset(IterableDataset):
         self._state = StreamState(on_error)
 
     def __copy__(self) -> ShardDataset:
+        return self._bound_to(self._state.fork())
+
+    def _bound_to(self, state: StreamState) -> ShardDataset:
         out = self.__class__.__new__(self.__class__)
         out.__dict__.update(self.__dict__)
-        out._state = self._state.fork()
+        out._state = state
         return out
 
     @property
@@ -145,9 +148,7 @@ class ShardDataset(IterableDataset):
     def with_state(self, state: StreamState) -> ShardDataset:
         """A copy of this pipeline whose iteration is owned by ``state`` (a loader gives its
         DataLoader workers such a copy: ``state.for_loader(...)``)."""
-        out = copy.copy(self)
-        out._state = state
-        return out
+        return self._bound_to(state)
 
     @property
     def error_count(self) -> int:
