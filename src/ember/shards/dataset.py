@@ -510,10 +510,9 @@ class ShardDataset(IterableDataset):
         if physical == 0 and not st.tagged:
             self._check_streams(world, num_workers)
         worker, skip, counted = self._resume_point(resume, epoch, physical, num_workers)
-        n = self.epoch_length
-        continued = n is not None and not self.resampled
-        start = epoch * n if n is not None and continued else 0  # with_epoch: epoch's start
-        limit = None if n is None else n - skip
+        start, end = self._epoch_span(epoch)
+        limit = None if end is None else end - start - skip
+        continued = end is not None and not self.resampled
         where = (rank, world, worker, num_workers)
         items, policy, ahead, seeking = self._open(epoch, where, start + skip, continued)
         full = items
@@ -540,12 +539,21 @@ class ShardDataset(IterableDataset):
                 yield item
             st.running = None
             pos.consumed = 0
-            if continued and n is not None:
-                st.live = (where + (start + n,), full, policy)
+            if continued:
+                st.live = (where + (end,), full, policy)
                 keep = True
         finally:
             if not keep:
                 getattr(full, "close", lambda: None)()
+
+    def _epoch_span(self, epoch: int) -> tuple[int, int | None]:
+        """Where ``epoch``'s items begin and end in a reading stream (end None: at the end of
+        the pass). with_epoch(n): items ``[epoch * n, (epoch + 1) * n)`` of the stream's endless
+        succession of passes, or with resampled=True the first n of the epoch's own draws."""
+        n = self.epoch_length
+        if n is None:
+            return 0, None
+        return (0, n) if self.resampled else (epoch * n, (epoch + 1) * n)
 
     def _resume_point(self, resume: dict | None, epoch: int, physical: int,
                       num_workers: int) -> tuple[int, int, int | None]:
