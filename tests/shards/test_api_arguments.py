@@ -38,7 +38,7 @@ def test_bad_numbers_are_refused_naming_the_argument(call, error, name):
 def test_integer_types_are_accepted():
     ds = ShardDataset("a.tar", seed=np.int64(3)).shuffle(np.int32(5)).batched(np.int64(2))
     assert ds.seed == 3 and type(ds.seed) is int
-    assert ShardDataset("a.tar").shuffle(0).stages[-1][1][0] == 0  # 0: no shuffling, as before
+    assert ShardDataset("a.tar").shuffle(0).stages[-1].bufsize == 0  # 0: no shuffling, as before
 
 
 @pytest.mark.parametrize("call, error, name", [
@@ -88,7 +88,9 @@ def test_checked_arguments_keep_working_with_numpy_and_plain_values():
                       shard_sizes=[np.int32(3)])
     assert (ds.rank, ds.world_size, ds.shard_sizes) == (1, 2, [3])
     ds = ds.with_length(np.int64(4)).with_epoch(3).slice(1, None, 2).rsample(np.float32(0.5))
-    assert ds.length == 4 and ds.epoch_length == 3 and ds.stages[-2][1] == (1, None, 2)
+    sliced = ds.stages[-2]
+    assert ds.length == 4 and ds.epoch_length == 3
+    assert (sliced.start, sliced.stop, sliced.step) == (1, None, 2)
     loader = ShardLoader(ds, num_workers=np.int64(0), transfer_memory=0).with_length(2)
     assert loader.num_workers == 0 and len(loader) == 2
 

@@ -17,6 +17,7 @@ import torch
 from ember.shards import (
     RayShardLoader,
     ShardDataset,
+    ShardError,
     TruncatedShardError,
     warn_and_continue,
     warn_and_stop,
@@ -423,3 +424,29 @@ def test_a_newer_iterator_takes_over_and_the_older_one_raises(cluster, shards):
         next(old)
     assert [k for k, _ in new] == first  # the epoch from its start, then it ends
     assert loader.epoch == 1
+
+
+def _dies_on_k0010(item):
+    if item[0] == "k0010":
+        os._exit(1)  # the Ray worker process dies, as in a crash in native decoding code
+    return item
+
+
+def test_a_worker_that_dies_is_a_shard_error_through_on_error(cluster, shards):
+    pattern, urls, keys = shards
+    crashed = urls[1]  # k0010 is its third sample
+    others = [k for k in keys if not PER_SHARD <= int(k[1:]) < 2 * PER_SHARD]
+    args = {"num_cpus": 1, "max_retries": 0}  # Ray's own retries would only take longer here
+
+    def make(on_error):
+        ds = ShardDataset(pattern, shuffle_shards=False, on_error=on_error)
+        return RayShardLoader(ds.to_tuple("__key__ cls").map(_dies_on_k0010),
+                              ray_remote_args=args, transfer_group=1)
+
+    with pytest.raises(ShardError, match=f"shard {crashed}: .*Ray worker.*died"):
+        _keys(make("raise"))
+    loader = make("skip")
+    got = _keys(loader)
+    assert len(got) == len(set(got)) and set(others) <= set(got)
+    assert set(got) - set(others) <= {"k0008", "k0009"}  # handed out before the crash
+    assert loader.error_count == 1

@@ -45,3 +45,102 @@ def test_dicts_with_different_keys_name_the_missing_key():
 def test_tuples_of_different_lengths_are_named():
     with pytest.raises(ValueError, match=r"item 2 has 3 fields, item 0 has 2.*collation_fn"):
         default_collate([(1, 2), (3, 4), (5, 6, 7)])
+
+
+def test_a_stage_class_with_a_name_becomes_a_fluent_method(tmp_path):
+    from ember.shards import ShardDataset, ShardWriter
+    from ember.shards import stages as stage_module
+
+    class _Twice(stage_module.Stage):
+        name = "twice_for_test"
+        one_to_one = True
+
+        def __init__(self, field: str):
+            self.field = field
+
+        def apply(self, src, ctx, index):
+            for sample in src:
+                yield {**sample, self.field: sample[self.field] * 2}
+
+    try:
+        url = str(tmp_path / "t.tar")
+        with ShardWriter(url.replace("t.tar", "t-%d.tar"), maxcount=10) as w:
+            for i in range(3):
+                w.write({"__key__": f"k{i}", "txt": f"{i}".encode()})
+        ds = ShardDataset(str(tmp_path / "t-0.tar")).twice_for_test("txt")
+        assert [s["txt"] for s in ds] == [b"00", b"11", b"22"]
+        assert ShardDataset.twice_for_test.__name__ == "twice_for_test"
+    finally:
+        stage_module.REGISTRY.pop("twice_for_test", None)
+        delattr(ShardDataset, "twice_for_test")
+
+
+def _extract_samples(tmp_path):
+    import webdataset as wds
+
+    url = str(tmp_path / "x.tar")
+    with wds.TarWriter(url) as w:
+        for i in range(4):
+            sample = {"__key__": f"s{i}", "cls": i, "txt": f"t{i}"}
+            sample["jpg" if i % 2 else "png"] = b"img%d" % i
+            if i == 3:
+                sample["seg.png"] = b"mask"
+            w.write(sample)
+    return url
+
+
+@pytest.mark.parametrize("patterns, kw", [
+    (("png;jpg", "cls"), {}),
+    (("*.png", "txt"), {"ignore_missing": True}),
+    (("*png;jpg", "__key__"), {"duplicate_is_error": False}),
+    ((["cls", "txt"],), {"duplicate_is_error": False}),
+])
+def test_extract_keys_matches_webdataset(tmp_path, patterns, kw):
+    from webdataset.filters import extract_keys
+
+    from ember.shards import ShardDataset
+
+    url = _extract_samples(tmp_path)
+    raw = list(ShardDataset(url))
+    expected = list(extract_keys(*patterns, **kw)(iter(raw)))
+    assert list(ShardDataset(url).extract_keys(*patterns, **kw)) == expected
+    assert len(expected) == 4
+
+
+def test_extract_keys_errors_as_webdataset_and_through_handler(tmp_path):
+    from webdataset.filters import extract_keys
+
+    from ember.shards import ShardDataset, ignore_and_continue
+
+    url = _extract_samples(tmp_path)
+    raw = list(ShardDataset(url))
+    for patterns in (("jpg",), ("*png",)):  # missing in some samples; two fields in s3
+        with pytest.raises(ValueError):
+            list(extract_keys(*patterns)(iter(raw)))
+        with pytest.raises(ValueError, match="extract_keys"):
+            list(ShardDataset(url).extract_keys(*patterns))
+    ds = ShardDataset(url, on_error="skip").extract_keys("jpg", handler=ignore_and_continue)
+    assert list(ds) == [(b"img1",), (b"img3",)] and ds.error_count == 2
+    with pytest.raises(TypeError, match="extract_keys"):
+        ShardDataset(url).extract_keys(3)
+
+
+def test_extract_keys_resumes_exactly_through_indexes(tmp_path):
+    from ember.shards import ShardDataset
+    from ember.shards.index import write_index
+
+    url = _extract_samples(tmp_path)
+    write_index(url)
+
+    def make():
+        return ShardDataset([url], seed=2).shuffle(3).extract_keys("txt", "cls")
+
+    full = list(make())
+    for stop in range(1, 4):
+        ds = make()
+        it = iter(ds)
+        head = [next(it) for _ in range(stop)]
+        state = ds.state_dict()
+        again = make()
+        again.load_state_dict(state)
+        assert head + list(again) == full

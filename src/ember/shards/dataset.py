@@ -12,13 +12,11 @@ re-exported here, so ``from ember.shards.dataset import ShardLoader`` keeps work
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
-import multiprocessing
-import multiprocessing.context
-import random
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
 
 # DataLoader's worker loop seeds numpy.random: loaded here, forked workers inherit it instead of
 # each importing it every epoch, an import that has failed in a forked worker inside importlib's
@@ -28,7 +26,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ember.shards import plan, stages
-from ember.shards.checks import integer, real
+from ember.shards.checks import integer
 from ember.shards.decode import Decoder
 from ember.shards.errors import ShardError
 from ember.shards.index import read_index
@@ -36,35 +34,26 @@ from ember.shards.index import read_index
 # DEFAULT_TRANSFER_* and _shard_from moved; re-exported for code that imports them from here
 from ember.shards.loader import DEFAULT_TRANSFER_GROUP, DEFAULT_TRANSFER_MEMORY, ShardLoader  # noqa: F401
 from ember.shards.reading import _ErrorPolicy, _samples, _shard_from, iter_shard, rank_and_world  # noqa: F401
-from ember.shards.resume import (
+from ember.shards.resume import (  # noqa: F401 (STATE_VERSION: re-exported)
     _END,
     STATE_VERSION,
+    StreamState,
     _around_skipped,
     _collate_unless_skipped,
     _Delivered,
-    _EpochCell,
     _IndexedLayout,
     _NoIndex,
     _Position,
     _Skipped,
     _SkippingReader,
+    check_state,
 )
-from ember.shards.transfer import TransferArena
 from ember.shards.urls import UrlOptions, as_list, local_path, open_url, url_options_from
 
 __all__ = ["ShardDataset", "ShardLoader", "iter_shard", "rank_and_world"]
 
 
 _AUTO = "auto"
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
-
-
 def _split_with(splitter: Callable, urls: list[str], what: str) -> list[str]:
     """Apply a webdataset-style splitter (an iterable of ``{"url": ...}`` dicts in, the selected
     ones out; plain URL strings out are accepted too) to a list of URLs."""
@@ -90,8 +79,10 @@ class ShardDataset(IterableDataset):
     exception. ``equalize``: ``"drop"`` or ``"repeat"`` gives every rank the same number of
     samples per epoch (see :func:`ember.shards.plan.equal_quotas`); it needs per-shard sample
     counts, taken from ``shard_sizes``, else from index files, else by scanning the shards.
-    ``generator`` (optional) is the torch.Generator type to draw with, e.g. an ember.csprng
-    generator; it is copied and re-seeded from ``seed`` for every draw stream.
+    ``generator`` (optional): an ember.csprng generator draws the shard orders and shuffles from
+    its own substreams (``fold_in``; ``seed`` then does not enter the draws, and the generator
+    given is neither copied nor advanced); a torch.Generator is the type of generator to draw
+    with, seeded from ``seed`` for every draw stream.
 
     Epochs: every new iteration (direct, or one DataLoader epoch, with or without persistent
     workers) uses the epoch after the previous one, starting at 0; ``set_epoch(e)`` makes the next
@@ -112,78 +103,60 @@ class ShardDataset(IterableDataset):
                  workersplitter: str | Callable | None = _AUTO, **deprecated: Any):
         super().__init__()
         self.urls = as_list(urls)
-        for name, fn in (("nodesplitter", nodesplitter), ("workersplitter", workersplitter)):
-            if fn is not None and fn != _AUTO and not callable(fn):
-                raise ValueError(f"expected {name}='auto', None or a callable, got {fn!r}")
+        _check_splitting(nodesplitter, workersplitter, resampled, equalize)
         self.nodesplitter, self.workersplitter = nodesplitter, workersplitter
         self.resampled = bool(resampled)
-        if self.resampled and equalize is not None:
-            raise ValueError("equalize= does not apply to resampled=True (every stream is endless;"
-                             " use with_epoch(n) to give every stream n items per epoch)")
-        custom = nodesplitter != _AUTO or workersplitter != _AUTO
-        if custom and equalize is not None:
-            raise ValueError("equalize= needs ember's own splitting (nodesplitter='auto', "
-                             "workersplitter='auto'): with other splitters a rank cannot know "
-                             "what the other ranks read")
         self.shuffle_shards = shuffle_shards
         self.seed = integer(seed, "seed")
-        self.generator = generator
+        # an OS-keyed generator differs in every process: ranks cannot agree on shard orders
+        self._keyed_here = generator is not None and getattr(generator, "reproducible", True) \
+            is False
+        self.generator = plan.own_stream(generator)
         if world_size is not None:
             world_size = integer(world_size, "world_size", minimum=1)
         if rank is not None:
             rank = integer(rank, "rank", minimum=0)
         self.rank, self.world_size = rank, world_size
-        policy = _ErrorPolicy(on_error)  # validates on_error
+        _ErrorPolicy(on_error)  # validates on_error
         self.on_error = on_error
-        if equalize not in (None, "drop", "repeat"):
-            raise ValueError(f"expected equalize=None, 'drop' or 'repeat', got {equalize!r}")
         self.equalize = equalize
-        if shard_sizes is not None:
-            shard_sizes = [integer(n, "shard_sizes entries", minimum=0) for n in shard_sizes]
-        if shard_sizes is not None and len(shard_sizes) != len(self.urls):
-            raise ValueError(f"shard_sizes has {len(shard_sizes)} entries for {len(self.urls)} "
-                             "shards")
-        self.shard_sizes = list(shard_sizes) if shard_sizes is not None else None
+        self.shard_sizes = _checked_sizes(shard_sizes, len(self.urls))
         self.options = url_options_from(url_options, deprecated)
-        self.stages: list[tuple[str, tuple]] = []
-        self._cell = _EpochCell()
-        self._running: int | None = None  # epoch of the direct iteration in progress
-        self._fixed_epoch: int | None = None  # set by ShardLoader for its copies
-        self._live: tuple[int, Iterator] | None = None  # with_epoch: (position, stream) kept
+        self.stages: list[stages.Stage] = []
         self.length: int | None = None
-        self._warned_streams = False
         self.epoch_length: int | None = None
-        self._pos = _Position(0, policy)  # fresh for each iteration and each loaded state
-        self._resume: dict | None = None
-        self._tagged = False  # set by ShardLoader: yield (stream, error counts, items) groups
-        self._group = 1
-        self._arena: TransferArena | None = None  # set by ShardLoader: shared memory for groups
+        self._state = StreamState(on_error)
 
-    # ---- fluent pipeline -------------------------------------------------------------------
+    def __copy__(self) -> ShardDataset:
+        return self._bound_to(self._state.fork())
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_live"] = None
-        if multiprocessing.context.get_spawning_popen() is None:
-            # not a worker being started: a copy gets its own counter, starting where this is
-            state["_cell"] = self._cell.snapshot()
-        return state
+    def _bound_to(self, state: StreamState) -> ShardDataset:
+        out = self.__class__.__new__(self.__class__)
+        out.__dict__.update(self.__dict__)
+        out._state = state
+        return out
 
-    def __setstate__(self, state: dict) -> None:
-        if isinstance(state["_cell"], tuple):
-            state["_cell"] = _EpochCell(*state["_cell"])
-        self.__dict__.update(state)
+    @property
+    def state(self) -> StreamState:
+        """Where iteration of this pipeline stands (epoch, position, a loaded state): see
+        :class:`ember.shards.resume.StreamState`."""
+        return self._state
+
+    def with_state(self, state: StreamState) -> ShardDataset:
+        """A copy of this pipeline whose iteration is owned by ``state`` (a loader gives its
+        DataLoader workers such a copy: ``state.for_loader(...)``)."""
+        return self._bound_to(state)
 
     @property
     def error_count(self) -> int:
         """Errors skipped so far in the current (or last) direct iteration, as on_error and the
         stage handlers counted them (continued from a loaded state)."""
-        return self._pos.policy.count
+        return self._state.pos.policy.count
 
     @property
     def epoch(self) -> int:
         """The epoch the next iteration uses."""
-        return self._cell.next_epoch()
+        return self._state.next_epoch
 
     def __len__(self) -> int:
         if self.length is None:
@@ -199,17 +172,17 @@ class ShardDataset(IterableDataset):
         out.length = n
         return out
 
-    def _with(self, kind: str, *payload) -> ShardDataset:
+    def _with(self, stage: stages.Stage) -> ShardDataset:
+        if not stage.dataset_level:
+            raise ValueError(f"{stage.name}() runs at the loader level: use "
+                             f"ShardLoader(...).{stage.name}()")
         out = copy.copy(self)
-        out.stages = self.stages + [(kind, payload)]
+        out.stages = self.stages + [stage]
         return out
 
     def shuffle(self, bufsize: int, initial: int | None = None) -> ShardDataset:
         """Shuffle samples through a buffer of ``bufsize`` (reproducible per seed and epoch)."""
-        bufsize = integer(bufsize, "bufsize", minimum=0)
-        if initial is not None:
-            initial = integer(initial, "initial", minimum=0)
-        return self._with("shuffle", bufsize, initial)
+        return self._with(stages.Shuffle(bufsize, initial))
 
     def decode(self, *handlers: str | Callable, only: str | list[str] | None = None,
                allow_pickle: bool = False, max_pixels: int | None = 89_478_485,
@@ -220,7 +193,7 @@ class ShardDataset(IterableDataset):
         Without ``handler``, a DecodeError goes to the dataset's ``on_error``; with it, any
         exception while decoding a sample goes to ``handler`` (see :meth:`map`)."""
         decoder = Decoder(*handlers, only=only, allow_pickle=allow_pickle, max_pixels=max_pixels)
-        return self._with("decode", decoder, _check_handler(handler))
+        return self._with(stages.Decode(decoder, handler))
 
     def map(self, fn: Callable[[Any], Any], *,
             handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
@@ -230,57 +203,48 @@ class ShardDataset(IterableDataset):
         skip the item, False to end the stream, or raises (``reraise_exception``,
         ``warn_and_continue``, ``ignore_and_continue``, ``warn_and_stop``). Skipped items are
         counted in ``error_count``. Default: the exception propagates."""
-        return self._with("map", fn, _check_handler(handler))
+        return self._with(stages.Map(fn, handler))
 
     def map_dict(self, *, handler: Callable[[Exception], Any] | None = None,
                  **fns: Callable) -> ShardDataset:
         """Apply ``fns[field]`` to those fields of every sample dict (``handler`` as in map)."""
-        return self._with("map_dict", fns, _check_handler(handler))
+        return self._with(stages.MapDict(fns, handler))
 
     def map_tuple(self, *fns: Callable | None,
                   handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
         """Apply ``fns[i]`` to element ``i`` of every tuple item; None keeps the element
         (``handler`` as in map)."""
-        if not fns or not all(f is None or callable(f) for f in fns):
-            raise TypeError(f"expected map_tuple(*fns) with callables or None, got {fns!r}")
-        return self._with("map_tuple", tuple(fns), _check_handler(handler))
+        return self._with(stages.MapTuple(fns, handler))
 
     def rename(self, keep: bool = True, **renames: str) -> ShardDataset:
         """Rename fields, ``new="old1;old2"`` (first present); ``keep=False`` drops the others."""
-        return self._with("rename", renames, keep)
+        return self._with(stages.Rename(renames, keep))
 
     def select(self, predicate: Callable[[Any], bool]) -> ShardDataset:
         """Keep items for which ``predicate(item)`` is true."""
-        return self._with("select", predicate)
+        return self._with(stages.Select(predicate))
 
     def to_tuple(self, *fields: str, missing_ok: bool = False,
                  handler: Callable[[Exception], Any] | None = None) -> ShardDataset:
         """Turn dicts into tuples: ``to_tuple("jpg;png cls")`` -> (jpg or png, cls)
         (``handler`` as in map, e.g. to skip samples missing a field)."""
-        return self._with("to_tuple", fields, missing_ok, _check_handler(handler))
+        return self._with(stages.ToTuple(fields, missing_ok, handler))
 
     def slice(self, *args: int | None) -> ShardDataset:
         """``itertools.islice`` on each reading stream: ``slice(stop)`` or
         ``slice(start, stop[, step])`` (per pass, per rank x worker stream)."""
-        if not 1 <= len(args) <= 3:
-            raise TypeError(f"slice expected 1 to 3 arguments, got {len(args)}")
-        s = slice(*args)
-        start = 0 if s.start is None else integer(s.start, "slice start", minimum=0)
-        stop = None if s.stop is None else integer(s.stop, "slice stop", minimum=0)
-        step = 1 if s.step is None else integer(s.step, "slice step", minimum=1)
-        return self._with("slice", start, stop, step)
+        return self._with(stages.Slice(*args))
 
     def rsample(self, p: float = 0.5) -> ShardDataset:
         """Keep each item with probability ``p``, drawn from the pipeline's generator
         (reproducible per seed and epoch, and resumed exactly)."""
-        return self._with("rsample", real(p, "rsample probability p", minimum=0.0, maximum=1.0))
+        return self._with(stages.RSample(p))
 
     def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
                 partial: bool = True) -> ShardDataset:
         """Group items into batches of ``batchsize`` (collated by ``collation_fn``, or lists if
         None); each worker's last batch may be short unless ``partial=False``."""
-        return self._with("batched", integer(batchsize, "batchsize", minimum=1), collation_fn,
-                          partial)
+        return self._with(stages.Batched(batchsize, collation_fn, partial))
 
     def with_epoch(self, n: int) -> ShardDataset:
         """Make every epoch yield exactly ``n`` items per reading stream (rank x worker).
@@ -299,45 +263,27 @@ class ShardDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose shard order and shuffle are used by the next iteration (also
         by DataLoader workers, persistent ones included)."""
-        self._cell.set_next(integer(epoch, "epoch", minimum=0))
+        self._state.set_epoch(integer(epoch, "epoch", minimum=0))
 
     def state_dict(self) -> dict:
         """The position of direct (main-process) iteration: load it to continue exactly there."""
-        if self._running is not None:
-            epoch, consumed, errors = self._running, self._pos.consumed, self._pos.policy.count
-        else:
-            epoch, consumed, errors = self.epoch, 0, 0
-        return {"version": STATE_VERSION, "epoch": epoch, "seed": self.seed,
-                "num_workers": 1, "consumed": [consumed], "next": 0,
-                "num_shards": len(self.urls), "errors": [errors]}
+        return self._state.position(self.epoch, len(self.urls), self.seed)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state`` (from this class's or ShardLoader's state_dict())."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported shard state version {state.get('version')!r}")
-        if state["seed"] != self.seed or state["num_shards"] != len(self.urls):
-            raise ValueError(f"state is for seed={state['seed']} over {state['num_shards']} "
-                             f"shards, this dataset has seed={self.seed} over {len(self.urls)}")
-        self.set_epoch(int(state["epoch"]))
-        self._running = None
-        errors = [int(e) for e in state.get("errors", [0] * len(state["consumed"]))]
-        if len(errors) != len(state["consumed"]) or min(errors, default=0) < 0:
-            raise ValueError(f"state's errors {state.get('errors')!r} do not match its "
-                             f"{len(state['consumed'])} reading streams")
-        self._resume = {"epoch": int(state["epoch"]), "consumed": list(state["consumed"]),
-                        "next": int(state["next"]), "num_workers": int(state["num_workers"]),
-                        "errors": errors}
-        policy = _ErrorPolicy(self.on_error)
-        policy.count = errors[0] if len(errors) == 1 else 0  # direct iteration counts on from here
-        self._pos = _Position(0, policy)
+        self._state.load(self.check_state(state))
+
+    def check_state(self, state: dict) -> dict:
+        """The resume point of ``state`` (from this class's or ShardLoader's state_dict()):
+        epoch, items consumed, errors counted per reading stream, the stream that delivers next;
+        ValueError if it is not a state of this pipeline."""
+        return check_state(state, self.seed, len(self.urls))
 
     # ---- reading ---------------------------------------------------------------------------
 
-    def _generator_copy(self) -> torch.Generator | None:
-        return copy.deepcopy(self.generator) if self.generator is not None else None
-
-    def _generator(self, seed: int) -> torch.Generator:
-        return plan.make_generator(seed, self._generator_copy())
+    def _generator(self, *path: int | str) -> torch.Generator:
+        """The generator of one draw stream (see plan.draw_generator)."""
+        return plan.draw_generator(self.seed, self.generator, *path)
 
     def ensure_shard_sizes(self) -> list[int]:
         """Sample counts of every shard (from shard_sizes, index files, or a header scan)."""
@@ -364,7 +310,7 @@ class ShardDataset(IterableDataset):
             self.shard_sizes = sizes
         return self.shard_sizes
 
-    def _shard_samples(self, urls: list[str], policy: _ErrorPolicy) -> Iterator[dict]:
+    def _shard_samples(self, urls: Iterable[str], policy: _ErrorPolicy) -> Iterator[dict]:
         for url in urls:
             try:
                 yield from _samples(open_url(url, self.options), url)  # iter_shard, inlined
@@ -375,8 +321,7 @@ class ShardDataset(IterableDataset):
                num_workers: int) -> Iterator[str]:
         """resampled=True: the stream's endless shard draws, with replacement, uniform over the
         shard list, from (seed, epoch, rank, world, worker, num_workers)."""
-        g = self._generator(plan.derive_seed(self.seed, "resample", epoch, rank, world, worker,
-                                             num_workers))
+        g = self._generator("resample", epoch, rank, world, worker, num_workers)
         n = len(self.urls)
         while True:
             for i in torch.randint(n, (256,), generator=g).tolist():
@@ -386,7 +331,7 @@ class ShardDataset(IterableDataset):
                      borrow: bool) -> list[str]:
         """The shards one stream reads in one ordinary pass; ``borrow``: a stream left without
         shards reads one chosen from its position instead (so that it has items to give)."""
-        g = self._generator_copy()
+        g = self.generator
         if self.nodesplitter == _AUTO and self.workersplitter == _AUTO:
             idx = plan.worker_shards(len(self.urls), seed=self.seed, epoch=epoch, rank=rank,
                                      world=world, worker=worker, num_workers=num_workers,
@@ -399,20 +344,21 @@ class ShardDataset(IterableDataset):
             if self.nodesplitter == _AUTO:
                 urls = urls[rank::world]
             elif self.nodesplitter is not None:
-                urls = _split_with(self.nodesplitter, urls, "nodesplitter")
+                urls = _split_with(cast(Callable, self.nodesplitter), urls, "nodesplitter")
             if self.workersplitter == _AUTO:
                 urls = urls[worker::num_workers]
             elif self.workersplitter is not None:
-                urls = _split_with(self.workersplitter, urls, "workersplitter")
+                urls = _split_with(cast(Callable, self.workersplitter), urls,
+                                   "workersplitter")
         if not urls and borrow:
             order = plan.shard_order(len(self.urls), seed=self.seed, epoch=epoch,
-                                     shuffle=self.shuffle_shards, generator=self._generator_copy())
+                                     shuffle=self.shuffle_shards, generator=self.generator)
             urls = [self.urls[order[plan.stream_index(rank, world, worker, num_workers)
                                     % len(order)]]]
         return urls
 
     def _raw(self, epoch: int, rank: int, world: int, worker: int, num_workers: int, pass_: int,
-             read: Callable[[list[str]], Iterator], quota: int | None) -> Iterator:
+             read: Callable[[Iterable[str]], Iterator], quota: int | None) -> Iterator:
         # returns the reader's own iterator where it can: one generator less per sample
         if self.resampled:
             return read(self._draws(epoch, rank, world, worker, num_workers))
@@ -439,23 +385,16 @@ class ShardDataset(IterableDataset):
 
     def _pipeline(self, src: Iterator, epoch: int, rank: int, world: int, worker: int,
                   num_workers: int, pass_: int, policy: _ErrorPolicy, skipping: bool) -> Iterator:
-        for i, (kind, p) in enumerate(self.stages):
-            if kind == "shuffle":
-                g = self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
-                                                     world, worker, num_workers, i))
-                src = stages.shuffle(src, p[0], p[1], g)
-            elif kind == "rsample":
-                g = self._generator(plan.derive_seed(self.seed, "samples", epoch, pass_, rank,
-                                                     world, worker, num_workers, i))
-                src = stages.rsample(src, p[0], g)
-            elif kind == "slice":
-                src = stages.islice_stream(src, p[0], p[1], p[2])
-            elif kind == "batched":
-                collate = _collate_unless_skipped(p[1]) if skipping else p[1]
-                src = stages.batched(src, p[0], collate, p[2])
+        def draw(i: int) -> torch.Generator:
+            return self._generator("samples", epoch, pass_, rank, world, worker, num_workers, i)
+
+        ctx = stages.StageContext(draw, policy,
+                                  collate=_collate_unless_skipped if skipping else None)
+        for i, stage in enumerate(self.stages):
+            if skipping and stage.one_to_one:
+                src = _around_skipped(src, _running(stage, ctx, i))
             else:
-                stage = _one_to_one(kind, p, policy)
-                src = _around_skipped(src, stage) if skipping else stage(src)
+                src = stage.run(src, ctx, i)
         return src
 
     def _pass(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
@@ -466,14 +405,14 @@ class ShardDataset(IterableDataset):
             quota = plan.equal_quotas(self.ensure_shard_sizes(), seed=self.seed, epoch=epoch,
                                       world=world, num_workers=num_workers, mode=self.equalize,
                                       shuffle=self.shuffle_shards,
-                                      generator=self._generator_copy())[worker]
+                                      generator=self.generator)[worker]
             if quota == 0 and self.epoch_length is not None:
                 quota = None  # with_epoch gives the stream its items: read its (borrowed) shards
         raw = self._raw(epoch, rank, world, worker, num_workers, 0, read, quota)
         return self._pipeline(raw, epoch, rank, world, worker, num_workers, 0, policy, skipping)
 
     def _items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
-               policy: _ErrorPolicy, read: Callable[[list[str]], Iterator] | None = None,
+               policy: _ErrorPolicy, read: Callable[[Iterable[str]], Iterator] | None = None,
                skipping: bool = False) -> Iterator:
         """The items of one reading stream: one pass (or with_epoch's endless succession of
         passes, pass q as in epoch q); ``read(urls)`` yields the raw samples of a list of shards
@@ -500,12 +439,7 @@ class ShardDataset(IterableDataset):
         """Whether how many items a stream yields, and which samples each is made of, depend on
         sample counts only (no select, no decode errors skipped), so the delivered part of a
         resumed stream can be worked out from indexes without reading it."""
-        for kind, p in self.stages:
-            if kind == "select" or (kind == "decode" and self.on_error != "raise"):
-                return False
-            if kind in _HANDLED and p[-1] is not None:
-                return False  # a handler may skip items
-        return True
+        return not any(stage.counts_depend_on_content(self.on_error) for stage in self.stages)
 
     def _resumed_items(self, epoch: int, rank: int, world: int, worker: int, num_workers: int,
                        policy: _ErrorPolicy, skip: int) -> Iterator | None:
@@ -523,7 +457,7 @@ class ShardDataset(IterableDataset):
                 item = next(shape, _END)
                 if item is _END:
                     break
-                delivered.add(item.positions)
+                delivered.add(cast(_Skipped, item).positions)
         except _NoIndex:
             return None
         finally:
@@ -535,14 +469,17 @@ class ShardDataset(IterableDataset):
         reader = _SkippingReader(layout, delivered, self.options, policy)
         return self._items(epoch, rank, world, worker, num_workers, policy, reader.samples, True)
 
+    def check_streams(self, num_workers: int) -> None:
+        """Warn (once per dataset) when some of the ``world x num_workers`` reading streams get
+        no shard and nothing evens that out."""
+        self._check_streams(self._rank_world()[1], num_workers)
+
     def _check_streams(self, world: int, num_workers: int) -> None:
-        """Warn (once per dataset) when some reading streams get no shard and nothing evens
-        that out."""
         if (self.resampled or self.nodesplitter != _AUTO or self.workersplitter != _AUTO
                 or self.equalize == "repeat" or self.epoch_length is not None
-                or len(self.urls) >= world * num_workers or self._warned_streams):
+                or len(self.urls) >= world * num_workers or self._state.warned_streams):
             return
-        self._warned_streams = True
+        self._state.warned_streams = True
         warnings.warn(f"{len(self.urls)} shards for {world * num_workers} reading streams "
                       f"({world} ranks x {num_workers} workers): some streams get no shard, so "
                       "ranks and workers are uneven; use more shards or fewer workers, or "
@@ -551,66 +488,40 @@ class ShardDataset(IterableDataset):
     def _rank_world(self) -> tuple[int, int]:
         if self.nodesplitter is None:
             return 0, 1  # the URL list is this rank's own
-        return rank_and_world(self.rank, self.world_size)
+        rank, world = rank_and_world(self.rank, self.world_size)
+        if world > 1 and self._keyed_here:
+            raise ValueError(f"generator= is keyed from the OS, so each of the {world} ranks "
+                             "draws another shard order and they would read overlapping "
+                             "shards; give every rank a generator with the same key "
+                             "(ember.csprng.create_generator(seed)), or nodesplitter=None with "
+                             "each rank's own URL list")
+        return rank, world
 
     def __iter__(self) -> Iterator:
         info = get_worker_info()
+        st = self._state
+        epoch = st.begin(info)
         physical, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rank, world = self._rank_world()
-        if self._fixed_epoch is not None:
-            epoch = self._fixed_epoch
-        else:
-            key = (info.seed - info.id) & ((1 << 63) - 1) if info is not None else \
-                random.getrandbits(63)
-            epoch = self._cell.begin(key, physical)
-        resume = self._resume
-        self._resume = None
-        if physical == 0 and not self._tagged:
+        resume = st.take_resume()
+        if physical == 0 and not st.tagged:
             self._check_streams(world, num_workers)
-        worker, skip, counted = physical, 0, None
-        if resume is not None and resume["epoch"] == epoch:
-            if resume["num_workers"] != num_workers:
-                raise ValueError(f"state was saved with {resume['num_workers']} reading workers, "
-                                 f"resuming with {num_workers}")
-            # DataLoader cycles workers from 0; rotate so the next stream to deliver comes first
-            worker = (resume["next"] + physical) % num_workers
-            skip = resume["consumed"][worker]
-            counted = resume["errors"][worker]  # skipped before the saved position
-            if resume["next"] and callable(self.workersplitter):
-                raise ValueError("cannot resume this state with a custom workersplitter: the "
-                                 "state's next stream is not worker 0 (use workersplitter='auto')")
-        n = self.epoch_length
-        continued = n is not None and not self.resampled
-        start = epoch * n if continued else 0  # with_epoch: where this epoch's items begin
-        limit = None if n is None else n - skip
-        stream = (rank, world, worker, num_workers, start + skip)
-        policy = _ErrorPolicy(self.on_error)
-        items = None
-        if continued and self._live is not None and self._live[0] == stream:
-            items, policy = self._live[1], self._live[2]  # the stream left off right here
-            ahead = 0
-        else:
-            ahead = start + skip
-        self._live = None
-        if ahead:
-            items = self._resumed_items(epoch, rank, world, worker, num_workers, policy, ahead)
-        seeking = items is not None and ahead > 0
-        if items is None:
-            items = self._items(epoch, rank, world, worker, num_workers, policy)
+        worker, skip, counted = self._resume_point(resume, epoch, physical, num_workers)
+        start, end = self._epoch_span(epoch)
+        limit = None if end is None else end - start - skip
+        continued = end is not None and not self.resampled
+        where = (rank, world, worker, num_workers)
+        items, policy, ahead, seeking = self._open(epoch, where, start + skip, continued)
         full = items
         keep = False
-        self._running = epoch
+        st.running = epoch
         try:
-            for _ in range(ahead):
-                item = next(items, _END)
-                if item is _END:
-                    return
-                if seeking and not isinstance(item, _Skipped):
-                    raise RuntimeError("index-based resume went out of step (a bug in ember)")
+            if not _fast_forward(items, ahead, seeking):
+                return
             if counted is not None:
                 policy.count = counted  # whatever fast-forwarding counted, the run had these
-            pos = self._pos = _Position(skip, policy)
-            if self._tagged:
+            pos = st.pos = _Position(skip, policy)
+            if st.tagged:
                 if limit is not None:
                     items = itertools.islice(items, limit)
                 yield from self._groups(items, worker, skip, seeking, pos)
@@ -623,14 +534,54 @@ class ShardDataset(IterableDataset):
                 if seeking and isinstance(item, _Skipped):
                     raise RuntimeError("index-based resume went out of step (a bug in ember)")
                 yield item
-            self._running = None
+            st.running = None
             pos.consumed = 0
             if continued:
-                self._live = ((rank, world, worker, num_workers, start + n), full, policy)
+                st.live = (where + (end,), full, policy)
                 keep = True
         finally:
             if not keep:
                 getattr(full, "close", lambda: None)()
+
+    def _epoch_span(self, epoch: int) -> tuple[int, int | None]:
+        """Where ``epoch``'s items begin and end in a reading stream (end None: at the end of
+        the pass). with_epoch(n): items ``[epoch * n, (epoch + 1) * n)`` of the stream's endless
+        succession of passes, or with resampled=True the first n of the epoch's own draws."""
+        n = self.epoch_length
+        if n is None:
+            return 0, None
+        return (0, n) if self.resampled else (epoch * n, (epoch + 1) * n)
+
+    def _resume_point(self, resume: dict | None, epoch: int, physical: int,
+                      num_workers: int) -> tuple[int, int, int | None]:
+        """The reading stream a DataLoader worker runs, the items of it already delivered, and
+        the errors counted before them (None: not resuming)."""
+        if resume is None or resume["epoch"] != epoch:
+            return physical, 0, None
+        if resume["num_workers"] != num_workers:
+            raise ValueError(f"state was saved with {resume['num_workers']} reading workers, "
+                             f"resuming with {num_workers}")
+        if resume["next"] and callable(self.workersplitter):
+            raise ValueError("cannot resume this state with a custom workersplitter: the "
+                             "state's next stream is not worker 0 (use workersplitter='auto')")
+        # DataLoader cycles workers from 0; rotate so the next stream to deliver comes first
+        worker = (resume["next"] + physical) % num_workers
+        return worker, resume["consumed"][worker], resume["errors"][worker]
+
+    def _open(self, epoch: int, where: tuple[int, int, int, int], at: int,
+              continued: bool) -> tuple[Iterator, _ErrorPolicy, int, bool]:
+        """The items of stream ``where`` (rank, world, worker, num_workers) in ``epoch``, to be
+        taken from position ``at``: (items, their error policy, how many items to pass over
+        first, whether those are placeholders of an index-based seek)."""
+        st = self._state
+        live, st.live = st.live, None
+        if continued and live is not None and live[0] == where + (at,):
+            return live[1], live[2], 0, False  # the stream left off right here
+        policy = _ErrorPolicy(self.on_error)
+        items = self._resumed_items(epoch, *where, policy, at) if at else None
+        if items is not None:
+            return items, policy, at, True
+        return self._items(epoch, *where, policy), policy, at, False
 
     def _groups(self, items: Iterator, worker: int, skip: int, seeking: bool,
                 pos: _Position) -> Iterator[tuple[int, list[int], list]]:
@@ -640,10 +591,10 @@ class ShardDataset(IterableDataset):
         the streams exactly as the uninterrupted one. Items already grouped when an error is
         raised are sent before it. With a transfer arena, their large bytes values go through
         shared memory."""
-        size = self._group
+        size = self._state.group
         room = size - skip % size
         policy = pos.policy
-        arena = self._arena
+        arena = self._state.arena
         pack = (lambda item: arena.pack(worker, item)) if arena is not None else (lambda item: item)
         seal = (lambda g: arena.seal(worker, g)) if arena is not None else (lambda g: g)
         group: list = []
@@ -673,49 +624,67 @@ class ShardDataset(IterableDataset):
             yield worker, [policy.count], []
 
 
-_HANDLED = ("decode", "map", "map_dict", "map_tuple", "to_tuple")
+def _fluent(cls: type[stages.Stage]) -> Callable[..., ShardDataset]:
+    """The fluent method of a stage class: ``ds.<name>(*args)`` appends ``cls.build(*args)``."""
+    def method(self: ShardDataset, *args: Any, **kwargs: Any) -> ShardDataset:
+        return self._with(cls.build(*args, **kwargs))
+
+    method.__name__ = cls.name
+    method.__qualname__ = f"ShardDataset.{cls.name}"
+    method.__doc__ = cls.build.__doc__ if cls.build is not stages.Stage.build else cls.__doc__
+    method.__signature__ = inspect.signature(cls.build)  # type: ignore[attr-defined]
+    return method
 
 
-def _check_handler(handler: Callable[[Exception], Any] | None) -> Callable | None:
-    if handler is not None and not callable(handler):
-        raise TypeError(f"expected handler= to be None or a callable taking the exception "
-                        f"(e.g. warn_and_continue), got {handler!r}")
-    return handler
+def _add_fluent(cls: type[stages.Stage]) -> None:
+    """Stage classes with a name and no method written out above get theirs."""
+    if cls.dataset_level and not hasattr(ShardDataset, cls.name):
+        setattr(ShardDataset, cls.name, _fluent(cls))
 
 
-def _one_to_one(kind: str, p: tuple, policy: _ErrorPolicy) -> Callable[[Iterator], Iterator]:
-    """The stage for a pipeline entry that turns each item into at most one item (exactly one
-    unless it has a handler= or is a select)."""
-    if kind in _HANDLED and p[-1] is not None:
-        handler = p[-1]
-        one = _per_item(kind, p[:-1])
-
-        def count() -> None:
-            policy.count += 1
-
-        return lambda src: stages.handled(src, one, handler, count)
-    if kind == "decode":
-        return lambda src: stages.decode(src, p[0], policy)
-    if kind == "map":
-        return lambda src: stages.map_samples(src, p[0])
-    if kind == "map_dict":
-        return lambda src: stages.map_dict(src, p[0])
-    if kind == "map_tuple":
-        return lambda src: stages.map_tuple(src, p[0])
-    if kind == "rename":
-        return lambda src: stages.rename(src, p[0], p[1])
-    if kind == "select":
-        return lambda src: stages.select(src, p[0])
-    if kind == "to_tuple":
-        return lambda src: stages.to_tuple(src, p[0], p[1])
-    raise AssertionError(kind)  # pragma: no cover
+stages.on_register(_add_fluent)
 
 
-def _per_item(kind: str, p: tuple) -> Callable[[Any], Any]:
-    """The function of item to item that a one-to-one stage applies."""
-    if kind in ("decode", "map"):
-        return p[0]
-    gen = {"map_dict": lambda src: stages.map_dict(src, p[0]),
-           "map_tuple": lambda src: stages.map_tuple(src, p[0]),
-           "to_tuple": lambda src: stages.to_tuple(src, p[0], p[1])}[kind]
-    return lambda item: next(gen(iter((item,))))
+def _running(stage: stages.Stage, ctx: stages.StageContext, index: int
+             ) -> Callable[[Iterator], Iterator]:
+    """``stage`` as a function of its input, as stage ``index`` run by ``ctx``."""
+    return lambda src: stage.run(src, ctx, index)
+
+
+def _fast_forward(items: Iterator, ahead: int, seeking: bool) -> bool:
+    """Pass over the first ``ahead`` items (placeholders, if ``seeking``); False if the stream
+    ended first."""
+    for _ in range(ahead):
+        item = next(items, _END)
+        if item is _END:
+            return False
+        if seeking and not isinstance(item, _Skipped):
+            raise RuntimeError("index-based resume went out of step (a bug in ember)")
+    return True
+
+
+def _check_splitting(nodesplitter: Any, workersplitter: Any, resampled: bool,
+                     equalize: str | None) -> None:
+    for name, fn in (("nodesplitter", nodesplitter), ("workersplitter", workersplitter)):
+        if fn is not None and fn != _AUTO and not callable(fn):
+            raise ValueError(f"expected {name}='auto', None or a callable, got {fn!r}")
+    if equalize not in (None, "drop", "repeat"):
+        raise ValueError(f"expected equalize=None, 'drop' or 'repeat', got {equalize!r}")
+    if resampled and equalize is not None:
+        raise ValueError("equalize= does not apply to resampled=True (every stream is endless;"
+                         " use with_epoch(n) to give every stream n items per epoch)")
+    custom = nodesplitter != _AUTO or workersplitter != _AUTO
+    if custom and equalize is not None:
+        raise ValueError("equalize= needs ember's own splitting (nodesplitter='auto', "
+                         "workersplitter='auto'): with other splitters a rank cannot know "
+                         "what the other ranks read")
+
+
+def _checked_sizes(shard_sizes: Sequence[int] | None, num_shards: int) -> list[int] | None:
+    if shard_sizes is None:
+        return None
+    sizes = [integer(n, "shard_sizes entries", minimum=0) for n in shard_sizes]
+    if len(sizes) != num_shards:
+        raise ValueError(f"shard_sizes has {len(sizes)} entries for {num_shards} shards")
+    return sizes
+

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from ember.shards import stages
 from ember.shards.checks import integer
 from ember.shards.rebatch import LoaderStages
-from ember.shards.resume import STATE_VERSION, _EpochCell
+from ember.shards.resume import STATE_VERSION
 from ember.shards.transfer import TransferArena
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class ShardLoader:
         self.persistent_workers = bool(kwargs.pop("persistent_workers", False))
         if self.persistent_workers and num_workers < 1:
             raise ValueError("persistent_workers=True needs num_workers >= 1")
-        self._kept: tuple | None = None  # persistent workers: (DataLoader, dataset copy, group)
+        self._kept: tuple | None = None  # persistent workers: (DataLoader, copy, group, arena)
         if batch_size is not None:
             # as DataLoader's batch_size: batches made in the workers, collated by collate_fn
             batch_size = integer(batch_size, "batch_size", minimum=1)
@@ -88,7 +88,7 @@ class ShardLoader:
             self.transfer_group = 1  # nothing to transfer
         elif transfer_group is not None:
             self.transfer_group = transfer_group
-        elif any(kind == "batched" for kind, _ in dataset.stages):
+        elif any(isinstance(stage, stages.Batched) for stage in dataset.stages):
             self.transfer_group = 1
         else:
             self.transfer_group = DEFAULT_TRANSFER_GROUP
@@ -100,34 +100,36 @@ class ShardLoader:
         self._next = 0
         self._group = self.transfer_group
         self._resume: dict | None = None
-        self._stages: list[tuple[str, tuple]] = []  # loader-level stages
-        self._running = None  # this epoch's LoaderStages
+        self._stages: list[stages.Stage] = []  # loader-level stages
+        self._running: LoaderStages | None = None  # this epoch's loader-level stages
         self._drained = False  # the loader-level stages are emptying after the workers ended
         self.length: int | None = None
 
     # ---- loader-level stages (main process, over all workers' items) -----------------------
 
-    def _with(self, kind: str, *args) -> ShardLoader:
+    def _with(self, stage: stages.Stage) -> ShardLoader:
+        if not stage.loader_level:
+            raise ValueError(f"{stage.name}() runs in the dataset's reading streams, not at the "
+                             "loader level")
         out = copy.copy(self)
-        out._stages = self._stages + [(kind, args)]
+        out._stages = self._stages + [stage]
         out.length = None
         out._kept = None  # a loader of its own: its own persistent workers
         return out
 
     def unbatched(self) -> ShardLoader:
         """Split every item (a batch from the workers) into its samples."""
-        return self._with("unbatched")
+        return self._with(stages.Unbatched())
 
     def shuffle(self, bufsize: int) -> ShardLoader:
         """Shuffle items across workers through a buffer of ``bufsize`` (reproducible per seed
         and epoch; the buffer is part of state_dict())."""
-        return self._with("shuffle", integer(bufsize, "bufsize", minimum=1))
+        return self._with(stages.Shuffle(integer(bufsize, "bufsize", minimum=1)))
 
     def batched(self, batchsize: int, collation_fn: Callable | None = stages.default_collate,
                 partial: bool = True) -> ShardLoader:
         """Group items into batches of ``batchsize`` in the main process (across workers)."""
-        return self._with("batched", integer(batchsize, "batchsize", minimum=1), collation_fn,
-                          partial)
+        return self._with(stages.Batched(batchsize, collation_fn, partial))
 
     def with_length(self, n: int) -> ShardLoader:
         """Declare how many items an epoch of this loader yields: ``len()`` returns it."""
@@ -159,6 +161,7 @@ class ShardLoader:
         if self._stages:
             state["loader_stages"] = self._running.state() if self._running is not None else None
             state["loader_drained"] = self._drained
+            state["loader_epoch"] = True  # "epoch" is the epoch being drained, not the next one
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -169,11 +172,12 @@ class ShardLoader:
                              f"has {self._streams}")
         if bool(self._stages) != ("loader_stages" in state):
             raise ValueError("state and loader differ in having loader-level stages")
-        probe = copy.copy(self.dataset)
-        probe.load_state_dict(state)  # validates
+        resume = self.dataset.check_state(state)
         self.epoch = int(state["epoch"])
+        if state.get("loader_drained") and "loader_epoch" not in state:
+            self.epoch -= 1  # saved by an older ember while draining: it named the next epoch
         self._resume = dict(state)
-        self._errors = list(probe._resume["errors"])  # error_count continues from the state
+        self._errors = list(resume["errors"])  # error_count continues from the state
         self._kept = None  # persistent workers hold the old position: start new ones
 
     def _arena(self) -> TransferArena | None:
@@ -182,7 +186,8 @@ class ShardLoader:
                 or self.persistent_workers):
             return None  # (an arena lives for one epoch's workers)
         context = self.kwargs.get("multiprocessing_context")
-        method = context.get_start_method() if hasattr(context, "get_start_method") else context
+        get = getattr(context, "get_start_method", None)
+        method = get() if get is not None else context
         if not TransferArena.supported(method):
             return None
         slots = (self.kwargs.get("prefetch_factor") or 2) + 1
@@ -205,6 +210,7 @@ class ShardLoader:
     def __iter__(self) -> Iterator:
         if not self._stages:
             yield from self._upstream()
+            self.epoch += 1
             return
         resume = self._resume
         loader_state = resume.get("loader_stages") if resume is not None else None
@@ -213,10 +219,10 @@ class ShardLoader:
         if drained:  # the workers had finished: only the buffers are left of that epoch
             self._resume = None
             upstream: Iterator = iter(())
-            epoch -= 1
         else:
             upstream = self._upstream()
-        self._running = running = LoaderStages(self._stages, self.dataset.seed, epoch)
+        self._running = running = LoaderStages(self._stages, self.dataset.seed, epoch,
+                                                     self.dataset.generator)
         if loader_state is not None:
             running.load(loader_state)
         self._drained = drained
@@ -233,55 +239,50 @@ class ShardLoader:
                 close()
         self._running = None
         self._drained = False
+        self.epoch = epoch + 1  # a full pass: the workers' items and the buffers they filled
 
     def _upstream(self) -> Iterator:
-        self.dataset._check_streams(self.dataset._rank_world()[1], self._streams)
+        self.dataset.check_streams(self._streams)
         group = self.transfer_group
         if self._kept is not None and self._resume is None and self._kept[2] == group:
             # persistent workers: the next epoch (or this one again after a break)
             self._consumed, self._next, self._group = [0] * self._streams, 0, group
             self._errors = [0] * self._streams
-            yield from self._read(*self._kept[:2])
+            yield from self._read(self._kept[0], self._kept[1], self._kept[3])
             return
-        ds = copy.copy(self.dataset)
-        ds._fixed_epoch = self.epoch
-        ds._tagged = True
         if self.dataset.equalize is not None:
-            ds.ensure_shard_sizes()
-            self.dataset.shard_sizes = ds.shard_sizes
+            self.dataset.ensure_shard_sizes()  # once, here, not in every worker
+        resume = None
         if self._resume is not None:
-            ds.load_state_dict(self._resume)
-            consumed = list(self._resume["consumed"])
-            errors = [int(e) for e in self._resume.get("errors", [0] * self._streams)]
-            first = int(self._resume["next"])
+            resume = self.dataset.check_state(self._resume)
+            consumed, errors, first = resume["consumed"], resume["errors"], resume["next"]
             if self.num_workers:  # states without the key are from per-item transfer
                 group = int(self._resume.get("transfer_group", 1))
             self._resume = None
         else:
             consumed, first, errors = [0] * self._streams, 0, [0] * self._streams
-        ds._group = group
         self._consumed, self._next, self._group = consumed, first, group
         self._errors = errors
-        ds._arena = self._arena()
+        arena = self._arena()
+        # the workers' copy: its epoch fixed (persistent workers: through its own epoch cell),
+        # its items sent in groups through the arena, continuing at the resume point
+        state = self.dataset.state.for_loader(self.epoch, group, arena, resume,
+                                              self.persistent_workers)
+        ds = self.dataset.with_state(state)
         # the groups travel as they are (DataLoader's default_convert would turn the items'
         # tuples into lists); collate_fn= was applied in the workers' pipeline
-        if self.persistent_workers:
-            # the workers keep their dataset copy: its epoch comes through its own epoch cell
-            ds._fixed_epoch = None
-            ds._cell = _EpochCell()
-            ds._live = None
         loader = DataLoader(ds, batch_size=None, num_workers=self.num_workers,
                             collate_fn=_as_is, persistent_workers=self.persistent_workers,
                             **self.kwargs)
-        self._kept = (loader, ds, group) if self.persistent_workers else None
-        yield from self._read(loader, ds)
+        self._kept = (loader, ds, group, arena) if self.persistent_workers else None
+        yield from self._read(loader, ds, arena)
 
-    def _read(self, loader: DataLoader, ds: ShardDataset) -> Iterator:
+    def _read(self, loader: DataLoader, ds: ShardDataset, arena: TransferArena | None
+              ) -> Iterator:
         """One epoch of ``loader``'s groups, handed out item by item and counted."""
         if self.persistent_workers:
             ds.set_epoch(self.epoch)  # through the copy's epoch cell, into the workers
         consumed = self._consumed
-        arena = ds._arena
         n = self._streams
         try:
             for stream, errors, group in loader:
@@ -301,6 +302,7 @@ class ShardLoader:
         finally:
             if arena is not None:
                 arena.close()  # the workers' mappings go with them
-        self.epoch += 1
+        # the epoch moves on when the loader's pass ends (__iter__), after any loader-level
+        # stages have drained their buffers
         self._consumed, self._next = [0] * n, 0
         self._group = self.transfer_group

@@ -7,13 +7,15 @@ resumption exact.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["derive_seed", "make_generator", "shard_order", "worker_shards", "equal_quotas",
-           "stream_index"]
+__all__ = ["derive_seed", "make_generator", "draw_generator", "own_stream", "shard_order",
+           "worker_shards", "equal_quotas", "stream_index"]
 
 
 def derive_seed(seed: int, *path: int | str) -> int:
@@ -33,12 +35,49 @@ def make_generator(seed: int, generator: torch.Generator | None = None) -> torch
     return g
 
 
+def has_substreams(generator: Any) -> bool:
+    """Whether ``generator`` derives independent substreams (``fold_in``, as ember.csprng's)."""
+    return generator is not None and callable(getattr(generator, "fold_in", None))
+
+
+def own_stream(generator: Any) -> Any:
+    """What a pipeline draws from, given ``generator=``: for a generator with substreams
+    (``fold_in``, as ember.csprng's), a seeded generator of its type whose seed is drawn from
+    one of its substreams, so that every process of a run (DataLoader workers, forked or spawned)
+    derives the same draws from it, the generator given is neither copied, pickled nor advanced,
+    and its key is in no copy; any other generator (a torch.Generator, or None) as it is."""
+    if not has_substreams(generator):
+        return generator
+    try:
+        sub = generator.fold_in(derive_seed(0, "ember.shards"))
+    except NotImplementedError:  # a kind without substreams (torchcsprng-compatible)
+        return generator
+    words = torch.randint(0, 1 << 32, (4,), generator=sub, dtype=torch.int64).tolist()
+    pinned = type(generator)()
+    pinned.manual_seed(sum(w << (32 * i) for i, w in enumerate(words)))
+    return pinned
+
+
+def draw_generator(seed: int, generator: Any, *path: int | str) -> torch.Generator:
+    """The generator of draw stream ``path`` (shard order, a shuffle stage, ...): substream
+    ``path`` of ``generator`` where it has substreams (``seed`` is then not used), else a
+    generator of ``generator``'s type (a copy; a torch.Generator if None) seeded from
+    ``(seed, *path)``."""
+    if has_substreams(generator):
+        try:
+            return generator.fold_in(derive_seed(0, *path))
+        except NotImplementedError:
+            pass
+    return make_generator(derive_seed(seed, *path),
+                          copy.deepcopy(generator) if generator is not None else None)
+
+
 def shard_order(num_shards: int, *, seed: int, epoch: int, shuffle: bool = True,
                 generator: torch.Generator | None = None) -> list[int]:
     """The epoch's global order of shard indices (the same on every rank and worker)."""
     if not shuffle or num_shards <= 1:
         return list(range(num_shards))
-    g = make_generator(derive_seed(seed, "shards", epoch), generator)
+    g = draw_generator(seed, generator, "shards", epoch)
     return torch.randperm(num_shards, generator=g).tolist()
 
 

@@ -16,16 +16,16 @@ import random
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from ember.shards import plan, stages
 from ember.shards.checks import integer
-from ember.shards.dataset import _HANDLED, ShardDataset, _one_to_one
+from ember.shards.dataset import ShardDataset
 from ember.shards.errors import ShardError
 from ember.shards.reading import _ErrorPolicy, iter_shard, rank_and_world
 
@@ -36,11 +36,6 @@ __all__ = ["RayShardLoader"]
 
 STATE_VERSION = 1
 DEFAULT_TRANSFER_GROUP = 128  # items per object a task sends when the pipeline is not batched
-
-# stages a task runs on the samples of its one shard (shuffle and rsample: within the shard)
-_PER_SHARD = ("shuffle", "rsample", "decode", "map", "map_dict", "map_tuple", "rename", "select",
-              "to_tuple")
-
 
 def _ray() -> Any:
     try:
@@ -59,7 +54,7 @@ class _Spec:
 
     urls: list[str]
     options: UrlOptions
-    stages: list[tuple[str, tuple]]  # the per-sample stages, in order
+    stages: list[stages.Stage]  # the per-shard stages, in order
     batch: tuple[int, Callable | None] | None  # batched(n, collation_fn): (n, collation_fn)
     seed: int
     generator: torch.Generator | None
@@ -118,11 +113,11 @@ def _shard_samples(url: str, options: UrlOptions, limit: int | None, out: _Outco
     except ShardError as exc:
         on_error(exc)
     finally:
-        samples.close()
+        getattr(samples, "close", lambda: None)()
 
 
 class _TaskErrors:
-    """The dataset's on_error on a worker, for ``_one_to_one``: ``"raise"`` raises, anything
+    """The dataset's on_error on a worker, for the stages: ``"raise"`` raises, anything
     else keeps the error for the training process's on_error. ``count`` counts the items that
     stage handlers skipped; ``stopped`` is set when a handler ended the stream."""
 
@@ -149,20 +144,14 @@ class _TaskErrors:
         return handle
 
 
-def _stage(src: Iterator, kind: str, p: tuple, index: int, spec: _Spec, draws: tuple,
-           errors: _TaskErrors) -> Iterator:
-    """Stage ``index`` of the pipeline (``kind`` with payload ``p``) over ``src``: the same stage
-    functions, handler rules and error counting as local reading; shuffle and rsample draw from
-    a generator of (seed, epoch, shard, visit, stage)."""
-    if kind in ("shuffle", "rsample"):
-        g = plan.make_generator(plan.derive_seed(spec.seed, "ray", *draws, index),
-                                copy.deepcopy(spec.generator))
-        if kind == "shuffle":
-            return stages.shuffle(src, p[0], p[1], g)
-        return stages.rsample(src, p[0], g)
-    if kind in _HANDLED and p[-1] is not None:
-        p = p[:-1] + (errors.watch(p[-1]),)
-    return _one_to_one(kind, p, errors)(src)
+def _context(spec: _Spec, draws: tuple, errors: _TaskErrors) -> stages.StageContext:
+    """How a task runs the pipeline's stages: the same stage functions, handler rules and error
+    counting as local reading; stages that draw get a generator of (seed, epoch, shard, visit,
+    stage)."""
+    def draw(index: int) -> torch.Generator:
+        return plan.draw_generator(spec.seed, spec.generator, "ray", *draws, index)
+
+    return stages.StageContext(draw, errors, watch=errors.watch)
 
 
 def _full_batches(items: Iterator, size: int, collate: Callable | None,
@@ -190,8 +179,9 @@ def run_shard(spec: _Spec, shard: int, epoch: int, visit: int, limit: int | None
     out = _Outcome()
     errors = _TaskErrors(spec.raise_errors, where)
     src: Iterator = _shard_samples(url, spec.options, limit, out, errors)
-    for i, (kind, p) in enumerate(spec.stages):
-        src = _stage(src, kind, p, i, spec, draws, errors)
+    ctx = _context(spec, draws, errors)
+    for i, stage in enumerate(spec.stages):
+        src = stage.run(src, ctx, i)
     if spec.batch is not None:
         src = _full_batches(src, spec.batch[0], spec.batch[1], out)
     group: list = []
@@ -263,7 +253,10 @@ class RayShardLoader:
     Errors are handled as locally: ``on_error`` applies to corrupt and truncated shards and to
     decode errors (a ``"raise"`` raises the original exception here, after the items before it;
     ``"warn"``, ``"skip"`` or a callable run here, in order, when the shard's items have been
-    handed out), ``handler=`` of the stages runs on the worker (the warnings issued there are
+    handed out; a task whose worker process dies, once Ray's own retries of it (``max_retries``
+    in ``ray_remote_args``) are spent, is a ShardError naming its shard, after the items it
+    sent: raised, or with another on_error the rest of that shard is skipped and counted),
+    ``handler=`` of the stages runs on the worker (the warnings issued there are
     issued again here when the shard's items have been handed out), and ``error_count`` counts
     both.
 
@@ -304,7 +297,7 @@ class RayShardLoader:
         if self.rank is not None and self.world_size is not None:
             plan.stream_index(self.rank, self.world_size, 0, 1)  # validates
         self.max_in_flight = max_in_flight
-        batched = dataset.stages and dataset.stages[-1][0] == "batched"
+        batched = bool(dataset.stages) and dataset.stages[-1].ray_scope == "final"
         if transfer_group is not None:
             self.transfer_group = transfer_group
         else:
@@ -419,7 +412,7 @@ class RayShardLoader:
         the epoch reads shard ``mine[k % len(mine)]`` (its ``k // len(mine)``-th read)."""
         ds = self.dataset
         n = len(ds.urls)
-        gen = copy.deepcopy(ds.generator)
+        gen = ds.generator
         mine = plan.worker_shards(n, seed=ds.seed, epoch=epoch, rank=rank, world=world,
                                   worker=0, num_workers=1, shuffle=ds.shuffle_shards,
                                   generator=gen)
@@ -432,10 +425,10 @@ class RayShardLoader:
         sizes = ds.ensure_shard_sizes()
         quota = plan.equal_quotas(sizes, seed=ds.seed, epoch=epoch, world=world, num_workers=1,
                                   mode=ds.equalize, shuffle=ds.shuffle_shards,
-                                  generator=copy.deepcopy(ds.generator))[0]
+                                  generator=ds.generator)[0]
         if not mine:  # fewer shards than ranks: read the shard at the rank's position, as locally
             order = plan.shard_order(n, seed=ds.seed, epoch=epoch, shuffle=ds.shuffle_shards,
-                                     generator=copy.deepcopy(ds.generator))
+                                     generator=ds.generator)
             mine = [order[rank % n]]
         return mine, quota, sizes
 
@@ -472,7 +465,7 @@ class RayShardLoader:
         finally:
             inner.close()
 
-    def _iterate(self) -> Iterator:
+    def _iterate(self) -> Generator[Any, None, None]:
         self._connect(stacklevel=5)  # the warning points at the caller of next()
         ray = _ray()
         ds = self.dataset
@@ -487,9 +480,11 @@ class RayShardLoader:
         mine, quota, sizes = self._plan(epoch, rank, world)
         batch = None
         per_sample = ds.stages
-        if ds.stages and ds.stages[-1][0] == "batched":
-            size, collate, partial = ds.stages[-1][1]
-            batch = (size, collate)
+        partial = True
+        last = ds.stages[-1] if ds.stages else None
+        if isinstance(last, stages.Batched):
+            batch = (last.batchsize, last.collation_fn)
+            partial = last.partial
             per_sample = ds.stages[:-1]
         spec = _Spec(urls=ds.urls, options=ds.options, stages=per_sample, batch=batch,
                      seed=ds.seed, generator=ds.generator, raise_errors=ds.on_error == "raise",
@@ -512,7 +507,7 @@ class RayShardLoader:
             if quota is not None:
                 # as locally: a shard is read to its end unless the quota is reached in it
                 limit = quota - assumed
-                state["expected"] = assumed + min(sizes[i], limit)
+                state["expected"] = assumed + min(cast(list, sizes)[i], limit)
             gen = remote.remote(spec_ref, i, epoch, k // len(mine), limit,
                                 skip if k == first else 0)
             inflight.append((k, assumed, gen))
@@ -540,17 +535,19 @@ class RayShardLoader:
                     current = None
                     state.update(next=k, expected=pos["raw"])
                     continue
-                outcome = yield from self._hand_out(ray, current, pos)
+                url = ds.urls[mine[k % len(mine)]]
+                outcome = yield from self._hand_out(ray, current, pos, url)
                 current = None
                 idle = idle + 1 if outcome.raw == 0 else 0
                 # the task is done: the position moves past it before anything else is handed out
                 pending = pos["pending"] + outcome.leftover
-                ready = batch is not None and len(pending) >= batch[0]
+                size = batch[0] if batch is not None else 0
+                ready = batch is not None and len(pending) >= size
                 pos.update(task=k + 1, taken=0, raw=pos["raw"] + outcome.raw,
-                           pending=pending[batch[0]:] if ready else pending)
+                           pending=pending[size:] if ready else pending)
                 self._errors(outcome, pos)
-                if ready:
-                    yield _collate(batch, pending[:batch[0]])
+                if ready and batch is not None:
+                    yield _collate(batch, pending[:size])
                 if outcome.stopped:
                     break
                 if quota is not None and pos["raw"] < quota and idle >= len(mine):
@@ -570,21 +567,31 @@ class RayShardLoader:
         self._last_errors = pos["errors"]
         self._pos = self._start_position()
 
-    def _hand_out(self, ray: Any, gen: Any, pos: dict) -> Iterator:
+    def _hand_out(self, ray: Any, gen: Any, pos: dict, url: str
+                  ) -> Generator[Any, None, _Outcome]:
         """The items of one task, counted in ``pos`` as they are handed out; returns the task's
-        _Outcome (raising its exception, if it ended with one, after its errors are applied)."""
-        for ref in gen:
-            obj = ray.get(ref)
-            if isinstance(obj, _Outcome):
-                for category, message in obj.warned:
-                    warnings.warn(message, category, stacklevel=4)  # at the caller of next()
-                if obj.fatal is not None:
-                    self._errors(obj, pos)
-                    raise obj.fatal
-                return obj
-            for item in obj:
-                pos["taken"] += 1
-                yield item
+        _Outcome (raising its exception, if it ended with one, after its errors are applied).
+        A task whose worker process died (after Ray's own retries, ``max_retries``) is a
+        ShardError naming its shard, handled by on_error as a shard that breaks off there."""
+        try:
+            for ref in gen:
+                obj = ray.get(ref)
+                if isinstance(obj, _Outcome):
+                    for category, message in obj.warned:
+                        warnings.warn(message, category, stacklevel=4)  # at the caller of next()
+                    if obj.fatal is not None:
+                        self._errors(obj, pos)
+                        raise obj.fatal
+                    return obj
+                for item in obj:
+                    pos["taken"] += 1
+                    yield item
+        except _died(ray) as exc:
+            error = ShardError(f"the Ray worker process reading it died ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''})", url)
+            if self.dataset.on_error == "raise":
+                raise error from exc
+            return _Outcome(skipped=[error])  # the rest of the shard is skipped
         raise RuntimeError("a Ray task ended without its outcome (a bug in ember)")
 
     def _errors(self, outcome: _Outcome, pos: dict) -> None:
@@ -594,6 +601,13 @@ class RayShardLoader:
         for exc in outcome.skipped:
             policy(exc)
         pos["errors"] = policy.count
+
+
+def _died(ray: Any) -> tuple[type[BaseException], ...]:
+    """Ray's exceptions for a task whose worker process or node went away."""
+    names = ("WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "OwnerDiedError",
+             "ObjectLostError")
+    return tuple(getattr(ray.exceptions, n) for n in names if hasattr(ray.exceptions, n))
 
 
 def _check_same_cluster(ray: Any, address: str | None, stacklevel: int) -> None:
@@ -643,8 +657,9 @@ def _put_spec(ray: Any, spec: _Spec) -> Any:
 
 def _unpicklable(ray: Any, spec: _Spec) -> tuple[str, str] | None:
     """What in ``spec`` cannot be pickled, in words, and why; None if all of it can."""
-    parts = [(f"stage {i} ({kind}{_callable_name(p)})", p) for i, (kind, p) in
-             enumerate(spec.stages)]
+    parts: list[tuple[str, Any]] = [
+        (f"stage {i} ({stage.name}{_callable_name(stage.callables())})", stage)
+        for i, stage in enumerate(spec.stages)]
     if spec.batch is not None:
         parts.append((f"the collation_fn of batched{_callable_name(spec.batch)}", spec.batch))
     parts += [("the dataset's URL options", spec.options),
@@ -657,7 +672,7 @@ def _unpicklable(ray: Any, spec: _Spec) -> tuple[str, str] | None:
     return None
 
 
-def _callable_name(p: tuple) -> str:
+def _callable_name(p: Any) -> str:
     names = [getattr(x, "__qualname__", None) for x in p if callable(x)]
     names = [n for n in names if n]
     return f" {names[0]}" if names else ""
@@ -675,12 +690,15 @@ def _check_pipeline(ds: ShardDataset) -> None:
         if callable(getattr(ds, name)):
             raise ValueError(f"RayShardLoader needs {name}='auto' or None (shards are dealt to "
                              "ranks by ember's plan)")
-    kinds = [kind for kind, _ in ds.stages]
-    for j, kind in enumerate(kinds):
-        if kind == "batched":
-            if j != len(kinds) - 1:
-                raise ValueError(f"RayShardLoader needs batched(n) as the last stage, got "
-                                 f"{kinds[j + 1]!r} after it (map the items before batching)")
-        elif kind not in _PER_SHARD:
-            raise ValueError(f"RayShardLoader does not run the {kind!r} stage (stages it runs: "
-                             f"{', '.join(_PER_SHARD)}, batched)")
+    for j, stage in enumerate(ds.stages):
+        if stage.ray_scope == "final":
+            if j != len(ds.stages) - 1:
+                raise ValueError(f"RayShardLoader needs {stage.name}(n) as the last stage, got "
+                                 f"{ds.stages[j + 1].name!r} after it (map the items before "
+                                 "batching)")
+        elif stage.ray_scope != "shard":
+            runs = [c.name for c in stages.REGISTRY.values()
+                    if c.ray_scope == "shard" and c.dataset_level]
+            finals = [c.name for c in stages.REGISTRY.values() if c.ray_scope == "final"]
+            raise ValueError(f"RayShardLoader does not run the {stage.name!r} stage (stages it "
+                             f"runs: {', '.join(runs + finals)})")

@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from ember.shards import plan
-
 __all__ = ["unbatch", "LoaderStages"]
 
 _END = object()
@@ -101,7 +99,7 @@ class _Batch:
         self.size, self.collate, self.partial = size, collate, partial
 
     def pull(self, src: Callable[[], Any]) -> Any:
-        items = []
+        items: list = []
         while len(items) < self.size:
             item = src()
             if item is _END:
@@ -119,20 +117,11 @@ class _Batch:
 
 
 class LoaderStages:
-    """One epoch of a list of loader-level stages ``(kind, args)`` over an upstream iterator."""
+    """One epoch of a list of loader-level stages (:class:`ember.shards.stages.Stage` objects
+    with ``loader_level``) over an upstream iterator: each runs as its stage's ``runner``."""
 
-    def __init__(self, stages: list[tuple[str, tuple]], seed: int, epoch: int):
-        self.stages = []
-        for i, (kind, args) in enumerate(stages):
-            if kind == "unbatched":
-                self.stages.append(_Unbatch())
-            elif kind == "shuffle":
-                self.stages.append(_Shuffle(args[0], plan.derive_seed(seed, "loader", epoch, i)))
-            elif kind == "batched":
-                self.stages.append(_Batch(*args))
-            else:  # pragma: no cover
-                raise AssertionError(kind)
-
+    def __init__(self, stages: list, seed: int, epoch: int, generator: Any = None):
+        self.stages = [stage.runner(seed, epoch, i, generator) for i, stage in enumerate(stages)]
     def state(self) -> list:
         return [s.state() for s in self.stages]
 

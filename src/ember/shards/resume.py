@@ -7,10 +7,12 @@ and the placeholders, :class:`_Skipped`, that stand for delivered samples in the
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import multiprocessing.context
+import random
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ember.shards.errors import ShardError
@@ -81,6 +83,128 @@ class _EpochCell:
                     c[i] = 0
             c[word] |= bit
             return c[1]
+
+
+class StreamState:
+    """Where the iteration of one ShardDataset pipeline stands: the epoch cell (shared with the
+    DataLoader workers), the epoch of a direct iteration in progress and its position, a loaded
+    state waiting for the next iteration, the stream a ``with_epoch`` iteration left off in, and,
+    for the copies a loader hands to its workers, the fixed epoch, the transfer group size and
+    the transfer arena. The dataset is the description of the pipeline; this object is the one
+    owner of everything that changes while it is iterated.
+
+    Copying a dataset (its fluent methods) gives the copy a state of its own (:meth:`fork`);
+    pickling keeps the epoch numbers (a copy in another process counts
+    on from there) and drops what belongs to this process's iteration."""
+
+    def __init__(self, on_error: Any = "raise", cell: _EpochCell | None = None):
+        self.cell = cell if cell is not None else _EpochCell()
+        self.on_error = on_error
+        self.running: int | None = None  # epoch of the direct iteration in progress
+        self.fixed_epoch: int | None = None  # a loader's copy: the epoch its workers read
+        self.live: tuple | None = None  # with_epoch: (stream, items, policy) to continue
+        self.pos = _Position(0, _ErrorPolicy(on_error))  # fresh per iteration and loaded state
+        self.resume: dict | None = None  # a loaded state, for the next iteration
+        self.tagged = False  # a loader's copy: yield (stream, error counts, items) groups
+        self.group = 1  # a loader's copy: items per group
+        self.arena: Any = None  # a loader's copy: shared memory for the groups (TransferArena)
+        self.warned_streams = False
+
+    def fork(self) -> StreamState:
+        """A state of its own for a copy of the dataset: an epoch counter of its own, starting
+        where this one is; the rest as now."""
+        out = copy.copy(self)
+        out.cell = _EpochCell(*self.cell.snapshot())
+        out.live = None
+        return out
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["live"] = None
+        if multiprocessing.context.get_spawning_popen() is None:
+            # not a worker being started: a copy gets its own counter, starting where this is
+            state["cell"] = self.cell.snapshot()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state["cell"], tuple):
+            state["cell"] = _EpochCell(*state["cell"])
+        self.__dict__.update(state)
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch the next iteration uses."""
+        return self.cell.next_epoch()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration use ``epoch`` (also in DataLoader workers)."""
+        self.cell.set_next(epoch)
+
+    def begin(self, worker: Any) -> int:
+        """The epoch of an iteration starting now, in DataLoader worker ``worker`` (its
+        get_worker_info(), or None for a direct iteration)."""
+        if self.fixed_epoch is not None:
+            return self.fixed_epoch
+        if worker is None:
+            return self.cell.begin(random.getrandbits(63), 0)
+        return self.cell.begin((worker.seed - worker.id) & ((1 << 63) - 1), worker.id)
+
+    def take_resume(self) -> dict | None:
+        """The loaded state, once (the next iteration uses it)."""
+        resume, self.resume = self.resume, None
+        return resume
+
+    def load(self, resume: dict) -> None:
+        """Continue at ``resume`` (a checked state) on the next iteration."""
+        self.set_epoch(resume["epoch"])
+        self.running = None
+        self.resume = resume
+        errors = resume["errors"]
+        policy = _ErrorPolicy(self.on_error)
+        policy.count = errors[0] if len(errors) == 1 else 0  # direct iteration counts on from here
+        self.pos = _Position(0, policy)
+
+    def position(self, epoch: int, urls: int, seed: int) -> dict:
+        """The state dict of a direct iteration."""
+        if self.running is not None:
+            epoch, consumed, errors = self.running, self.pos.consumed, self.pos.policy.count
+        else:
+            consumed, errors = 0, 0
+        return {"version": STATE_VERSION, "epoch": epoch, "seed": seed,
+                "num_workers": 1, "consumed": [consumed], "next": 0,
+                "num_shards": urls, "errors": [errors]}
+
+    def for_loader(self, epoch: int, group: int, arena: Any, resume: dict | None,
+                   persistent: bool) -> StreamState:
+        """The state of the copy a loader hands to its DataLoader workers: epoch ``epoch``
+        (persistent workers: whatever the copy's own cell says), items sent in groups of
+        ``group`` through ``arena``, continuing at ``resume``."""
+        out = StreamState(self.on_error, _EpochCell() if persistent else self.cell)
+        out.fixed_epoch = None if persistent else epoch
+        out.tagged = True
+        out.group = group
+        out.arena = arena
+        out.warned_streams = True  # the loader warns
+        if resume is not None:
+            out.load(resume)
+        return out
+
+
+def check_state(state: dict, seed: int, num_shards: int) -> dict:
+    """The resume point of ``state`` (from ShardDataset's or ShardLoader's state_dict()), checked
+    against a pipeline of ``seed`` over ``num_shards`` shards."""
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"unsupported shard state version {state.get('version')!r}")
+    if state["seed"] != seed or state["num_shards"] != num_shards:
+        raise ValueError(f"state is for seed={state['seed']} over {state['num_shards']} "
+                         f"shards, this dataset has seed={seed} over {num_shards}")
+    errors = [int(e) for e in state.get("errors", [0] * len(state["consumed"]))]
+    if len(errors) != len(state["consumed"]) or min(errors, default=0) < 0:
+        raise ValueError(f"state's errors {state.get('errors')!r} do not match its "
+                         f"{len(state['consumed'])} reading streams")
+    return {"epoch": int(state["epoch"]), "consumed": list(state["consumed"]),
+            "next": int(state["next"]), "num_workers": int(state["num_workers"]),
+            "errors": errors}
 
 
 _END = object()  # next(items, _END): the end of a stream
@@ -201,7 +325,7 @@ class _IndexedLayout:
         self.visits: list[tuple[str, int, int]] = []  # (url, first position, sample count)
         self.end = 0
 
-    def samples(self, urls: list[str]) -> Iterator[_Skipped]:
+    def samples(self, urls: Iterable[str]) -> Iterator[_Skipped]:
         for url in urls:
             if url not in self.indexes:
                 self.indexes[url] = _seekable_index(url, self.options)
@@ -241,7 +365,7 @@ class _SkippingReader:
         self.policy = policy
         self.pos = 0
 
-    def samples(self, urls: list[str]) -> Iterator:
+    def samples(self, urls: Iterable[str]) -> Iterator:
         for url in urls:
             k = self.pos
             if k >= self.delivered.end:  # past everything delivered: read as usual

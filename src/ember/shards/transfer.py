@@ -52,7 +52,8 @@ class _Open:
     __slots__ = ("slot", "used", "refs")
 
     def __init__(self, slot: int):
-        self.slot, self.used, self.refs = slot, 0, []
+        self.slot, self.used = slot, 0
+        self.refs: list = []
 
 
 class TransferArena:
