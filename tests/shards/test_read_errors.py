@@ -4,9 +4,9 @@ on_error, whatever path the shard is read by (local file, pipe:, HTTP with and w
 from __future__ import annotations
 
 import pytest
-from conftest import tar_bytes
 from test_remote import _http
 
+from conftest import tar_bytes
 from ember.shards import ShardDataset, ShardError, UrlOptions
 
 

@@ -6,8 +6,8 @@ as another sample, naming the rule."""
 from __future__ import annotations
 
 import pytest
-from conftest import tar_bytes
 
+from conftest import tar_bytes
 from ember.shards import FormatError, ShardDataset, TarWriter
 
 wds = pytest.importorskip("webdataset")
