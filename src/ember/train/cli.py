@@ -59,10 +59,13 @@ outputs (in --out, written by rank 0):
                        --keep-checkpoints; never publish it with the model
   metrics.jsonl        one JSON object per step/epoch
   model.pt             final weights (state dict; with SWAP the averaged ones); swa.pt with
-                       --swa-start
-  summary.json         steps, skipped steps, per-epoch history, ranks_in_sync; with DP-SGD
-                       "privacy": q, sigma, delta, steps, accountant, epsilon, and
-                       "not_covered_by_dp": the fields epsilon does not cover (train_loss, ...)
+                       --swa-start, ema.pt with --ema-decay, swag.pt (the posterior) with
+                       --swag-rank
+  summary.json         steps, skipped and empty steps, per-epoch history, epochs_done,
+                       ranks_in_sync; "swag": its Bayesian average's test metrics; with
+                       DP-SGD "privacy": q, sigma, delta, steps, accountant, epsilon, and
+                       "not_covered_by_dp": the fields epsilon does not cover (train_loss, ...);
+                       with --skip-bad "skipped_bad_items": each skipped shard/sample
 
 data convention: each sample holds one image (png, jpg, jpeg, ppm, pgm, webp, ...) and an
 integer class in a .cls member, as written by `ember shards create FOLDER -o PATTERN` (from a
@@ -152,8 +155,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train", help="train a classifier on your own image + cls shards",
         description="Train a small classifier on WebDataset-format image + class shards with "
-        "ember.train: mixed precision, gradient accumulation, SWA/SWAG, optional secure gradient "
-        "noise, exact checkpoint/resume, and DDP under torchrun.",
+        "ember.train: mixed precision, gradient accumulation and clipping, SWA/SWAG/EMA, DP-SGD "
+        "through Opacus, exact checkpoint/resume, and DDP under torchrun.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument("--data", required=True, metavar="URLS",
@@ -220,9 +223,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="continue from a checkpoint file or directory; 'auto' resumes from "
                       "DIR/checkpoints/last.pt if it exists")
     run_.add_argument("--force", action="store_true",
-                      help="replace the run already in --out (its model.pt, swa.pt, summary.json, "
-                      "metrics.jsonl and checkpoints/last.pt are moved aside, put back if the "
-                      "new run fails, and deleted when it succeeds)")
+                      help="replace the run already in --out (its model.pt, swa.pt, ema.pt, "
+                      "swag.pt, summary.json, metrics.jsonl and checkpoints/last.pt are moved "
+                      "aside, put back if the new run fails, and deleted when it succeeds)")
     run_.add_argument("--keep-checkpoints", action="store_true",
                       help="keep checkpoints/last.pt after a successful DP-SGD run (it holds the "
                       "noise key: owner-only, never publish it; needed to continue the run with "

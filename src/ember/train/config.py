@@ -67,10 +67,12 @@ class SWAConfig:
     anneal_strategy: str = option("cos", Rule.CHOICE, "shape of the annealing",
                                   choices=("cos", "linear"))
     schedule: str = option("anneal", Rule.CHOICE, "anneal: SWALR to the SWA rate; constant: "
-                           "the SWA rate at once; cyclic: per-step cycles from lr_max down to lr",
+                           "the SWA rate at once; cyclic: per-step cycles from the maximum rate "
+                           "down to the SWA rate",
                            choices=SWA_SCHEDULES)
     every_steps: int | None = option(None, Rule.INT_POSITIVE, "collect every this many optimizer "
-                                     "steps instead of at epoch ends (cyclic: fast-SWA)")
+                                     "steps instead of at epoch ends (with the cyclic schedule: "
+                                     "fast-SWA)")
     lr_max: float | None = option(None, Rule.POSITIVE, "cyclic: the rate at each cycle's start")
     cycle: int | None = option(None, Rule.INT_POSITIVE, "cyclic: steps per cycle")
     cycle_shape: str = option("linear", Rule.CHOICE, "cyclic: the shape of a cycle",

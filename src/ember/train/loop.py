@@ -63,7 +63,6 @@ class TrainResult:
     privacy: dict | None = None  # with privacy: q, sigma, delta, steps, accountant, epsilon, ...
     stopped_early: bool = False  # ended before its epochs (budget stop or StopTraining)
     empty_steps: int = 0  # optimizer steps whose (Poisson) batch held no example
-    finished: bool = True
 
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -171,7 +170,7 @@ def _build(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable,
     if eval_loader is not None:
         components.append(Evaluation(eval_loader, bn_loader, averaging, stepping.precision,
                                      config.swa.bn_batches if config.swa else None))
-    components += [History(config.epochs),
+    components += [History(),
                    MetricsLogger(config.log.metrics_path, config.log.log_every, resume_from,
                                  {"precision": config.step.precision, "world_size": world.size,
                                   "epochs": config.epochs, "accumulate": config.step.accumulate}),
@@ -188,7 +187,6 @@ def _train(run: Run, components: list[Any], resume_from: Path | None) -> TrainRe
         next(c for c in components if isinstance(c, Checkpointing)).restore(run, run.resume_state)
     run.resume_state = None  # not kept: a private run's holds the noise key
     epochs = run.config.epochs
-    run.progress.finished = run.progress.finished and run.progress.epoch >= epochs
     call(components, "on_fit_start", run)
     stepping: Stepping = components[0]
     for epoch in range(run.progress.epoch, epochs):

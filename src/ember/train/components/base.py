@@ -73,7 +73,6 @@ class Progress:
     loss_batches: int = 0  # micro-batches of the current epoch with examples (Poisson: not all)
     empty_steps: int = 0  # optimizer steps whose (Poisson) batch held no example
     history: list[dict] = field(default_factory=list)
-    finished: bool = False  # the run completed its epochs (or its budget stop)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The run's records: each epoch's record kept in order, the epoch counter moved on, whether the
-run finished, and every rank's weights digest at the end."""
+"""The run's records: each epoch's record kept in order, the epoch counter moved on, and every
+rank's weights digest at the end."""
 
 from __future__ import annotations
 
@@ -15,17 +15,14 @@ __all__ = ["History"]
 class History(Component):
     """Closes each epoch's record (after the components that add to it) and the run."""
 
-    def __init__(self, epochs: int) -> None:
-        self.epochs = epochs
+    def __init__(self) -> None:
         self.digests: list[str] = []
 
     def on_epoch_end(self, run: Run, record: dict[str, Any]) -> None:
         p = run.progress
         p.history.append(record)
         p.epoch, p.micro, p.epoch_loss_sum, p.loss_batches = record["epoch"] + 1, 0, 0.0, 0
-        p.finished = p.epoch >= self.epochs or run.stop
 
     def on_fit_end(self, run: Run) -> None:
-        run.progress.finished = True
         self.digests = all_gather_objects(weights_digest(run.model), run.world)
         run.report["ranks_in_sync"] = len(set(self.digests)) == 1
