@@ -1,4 +1,4 @@
-"""Multi-SWA and MultiSWAG vs a deep ensemble of the same size on scikit-learn's digits (issue 17).
+"""Multi-SWA and MultiSWAG vs a deep ensemble of the same size on scikit-learn's digits.
 
 ``python bench/swa_family_multiswa.py [--quick] [--seeds N]`` prints a table and writes
 bench/results/swa_family_multiswa.json; ``bench/swa_family.py`` imports :func:`experiment`.
@@ -25,7 +25,7 @@ cross-entropy, trained with ember.train.fit. Ensemble size M = 3 (quick: 2); for
 members use seeds 10*s + j (initial weights torch.manual_seed, data order and fit's seed), j < M.
 Budget per member: 20 epochs (quick: 4).
 - "Deep ensemble": M SGD runs, cosine learning-rate decay (CosineAnnealingLR over the epochs)
-  from a tuned peak lr, final iterates, mean of the members' softmax probabilities. Issue 28: the
+  from a tuned peak lr, final iterates, mean of the members' softmax probabilities. The
   peak lr is chosen from {0.0125, 0.025, 0.05, 0.1} (quick: {0.025, 0.05}) by the mean
   validation NLL of single cosine runs at seeds 10*s (each ensemble's first member), trained on
   80% of the training set and scored on a stratified 20% held out from it (random_state=0; never

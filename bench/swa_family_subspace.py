@@ -1,4 +1,4 @@
-"""Subspace Inference vs SWA vs SWAG on scikit-learn's digits (issue 17).
+"""Subspace Inference vs SWA vs SWAG on scikit-learn's digits.
 
 ``python bench/swa_family_subspace.py [--quick] [--seeds N]`` prints a table and writes
 bench/results/swa_family_subspace.json; ``bench/swa_family.py`` imports :func:`experiment`.
@@ -25,7 +25,7 @@ cross-entropy; initial weights from torch.manual_seed(seed), data order from a t
 seeded with seed. Budget: 24 epochs (quick: 6): lr 0.05 for the first half, then constant lr 0.02;
 after every epoch of the second half the weights go into ember.swa.SWA and a SWAG
 (max_rank = number of collections). BatchNorm recomputed on the training set for every model.
-- "SGD (cosine, tuned)" (issue 28): the strongest simple baseline at the same compute: SGD from
+- "SGD (cosine, tuned)": the strongest simple baseline at the same compute: SGD from
   the same initial weights and data order, 24 epochs (quick: 6), the rate cosine-annealed per
   epoch from a peak lr to 0; the final weights. The peak lr is chosen from {0.0125, 0.025, 0.05,
   0.1} (quick: {0.025, 0.05}) by the mean validation NLL over the seeds, training on 80% of the

@@ -1,4 +1,4 @@
-"""SWALP vs 8-bit SGD vs fp32 SGD on scikit-learn's digits (issue 17).
+"""SWALP vs 8-bit SGD vs fp32 SGD on scikit-learn's digits.
 
 ``python bench/swa_family_swalp.py [--quick]`` prints a table and writes
 bench/results/swa_family_swalp.json; ``bench/swa_family.py`` imports :func:`experiment`.
@@ -31,7 +31,7 @@ one block per row (dim=0; biases one block), activations (inputs and outputs of 
 the outputs of every ReLU, SWALP's placement) and their gradients one block per example (dim=0);
 shared exponents clamped to 8 bits.
 - "fp32 SGD": lr 0.05 for the first half, then linear decay to 0.0005 at the end.
-- "fp32 SGD (cosine, tuned)" (issue 28): fp32, the rate cosine-annealed per epoch from a peak lr
+- "fp32 SGD (cosine, tuned)": fp32, the rate cosine-annealed per epoch from a peak lr
   to 0 over all epochs. The peak lr is chosen from {0.0125, 0.025, 0.05, 0.1} (quick: {0.025,
   0.05}) by the mean validation NLL over the seeds, training on 80% of the training set and
   scoring on a stratified 20% held out from it (random_state=0; never the test sets); the row is
@@ -41,8 +41,8 @@ shared exponents clamped to 8 bits.
   lr 0.01; the weights are averaged in full precision (ember.swa.SWA) after every epoch of the
   second half; BatchNorm statistics recomputed on the training set.
 Evaluation: 8-bit SGD keeps its 8-bit activation quantization at test time; the SWALP average
-is evaluated in full precision, as SWALP's reference does (issue 28: ember's averagers used to
-copy the quantization hooks into the average); fp32 SGD in fp32. Metrics: accuracy, NLL,
+is evaluated in full precision, as SWALP's reference does (ember's averagers leave the
+quantization hooks out of the average); fp32 SGD in fp32. Metrics: accuracy, NLL,
 ECE (20 equal-mass bins) per test set, wall_s (training wall time). Seeds 0, 1, 2; mean and std over seeds.
 Claim checked: 8-bit SGD loses accuracy against fp32 SGD and 8-bit SWALP recovers it (within
 one std). The machine is a shared 2-core one: wall times are noisy.

@@ -1,4 +1,4 @@
-"""The tuning step of the SWA benches' cosine-annealed SGD baseline (issue 28, docs/swa.md).
+"""The tuning step of the SWA benches' cosine-annealed SGD baseline (docs/experiments/swa-family.md).
 
 Not an experiment of ``bench/swa_family.py``; the benches load it by path (they are loaded so too).
 The baseline's peak learning rate is chosen from a grid fixed in advance ({0.25, 0.5, 1, 2} x
