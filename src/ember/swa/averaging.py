@@ -62,7 +62,7 @@ def ema_decay(step: int, decay: float = 0.9999, warmup: bool = True) -> float:
 def _named_state(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     """Normalised name -> (tensor, is_parameter) for every parameter and buffer of ``model``."""
     out: dict[str, tuple[Tensor, bool]] = {}
-    items = [(n, p, True) for n, p in model.named_parameters()]
+    items: list[tuple[str, Tensor, bool]] = [(n, p, True) for n, p in model.named_parameters()]
     items += [(n, b, False) for n, b in model.named_buffers()]
     strip = unwrapped_names(model)
     for name, t, is_param in items:
