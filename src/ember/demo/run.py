@@ -71,9 +71,6 @@ def run_demo(out: Path = DEFAULT_OUT, *, quick: bool = False, progress: bool = T
 
 def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp: bool,
          threads: int) -> dict[str, Any]:
-    from ember.csprng import create_generator
-    from ember.swa import MultiSWAG, bayesian_average
-
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,6 +88,75 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
     x_train, y_train = _read_all(shards["train"])
     bn_batches = _batches(x_train, y_train, 32)  # training inputs for BatchNorm recomputation
 
+    per_seed, pooled, histories, stopped = _seed_runs(
+        settings, shards, (all_batches, eval_batches, bn_batches), (x_train, y_train), y_test,
+        out, progress)
+    t_experiment = time.perf_counter() - t0
+
+    results = {t: {m: {k: _summary([r[k] for r in per_seed[m][t]])
+                       for k in ("accuracy", "nll", "ece", "confidence")} for m in METHODS}
+               for t in TEST_SETS}
+    print("\n" + format_results(results), flush=True)
+    for paragraph in results_reading(results, len(settings.seeds)):
+        print("\n" + paragraph, flush=True)
+
+    payload: dict[str, Any] = {
+        "protocol": settings.protocol(), "settings": asdict(settings) | {"swa_start": settings.swa_start},
+        "data": {"n_train": shards["n_train"], "n_test": n_test,
+                 "label_noise_rate_written": shards["noise_rate"]},
+        "results": results,
+        "early_stopping_epochs": stopped,  # 1-based
+        "machine": f"{platform.machine()}, training on 1 torch thread, speed on {threads}, "
+                   f"torch {torch.__version__}",
+    }
+
+    dp_payload, speed = _dp_and_speed(payload, settings, shards, (x_test, y_test), dp, benchmark,
+                                      threads)
+
+    figures = {
+        "reliability": _plot_reliability({m: {t: torch.cat(v) for t, v in d.items()}
+                                          for m, d in pooled.items()},
+                                         y_test, out / "reliability.png")
+        if len(settings.seeds) else None,
+        "shift": _plot_shift(results, out / "shift.png"),
+        "curves": _plot_curves(histories, settings.swa_start, stopped,
+                               out / "learning_curves.png"),
+    }
+    if benchmark:
+        figures["speed"] = _plot_speed(speed["csprng"], speed["shards"], out / "speed.png")
+    payload["seconds"] = {"experiment": t_experiment, "total": time.perf_counter() - t0}
+    payload["figures"] = {k: str(v) for k, v in figures.items()}
+    payload["reading"] = {
+        "results": results_reading(results, len(settings.seeds)),
+        "reliability": reliability_reading(results),
+        "shift": shift_reading(results),
+        "curves": curves_reading(histories, stopped),
+        "dp": dp_reading(dp_payload),
+        "speed": speed_reading(speed),
+        "subsystems": SUBSYSTEMS,
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=2))
+    report = _write_report(out / "report.html", payload,
+                           figures,
+                           settings)
+    print(f"\nfigures: {', '.join(str(p) for p in figures.values())}")
+    print(f"results: {out / 'results.json'}")
+    print(f"demo finished in {payload['seconds']['total']:.1f} s")
+    print(f"report: {report.resolve()}")
+    return payload
+
+
+def _seed_runs(settings: DemoSettings, shards: dict[str, Any], batches: tuple[list, list, list],
+               train: tuple[torch.Tensor, torch.Tensor], y_test: torch.Tensor, out: Path,
+               progress: bool) -> tuple[dict, dict, dict, list[int]]:
+    """Train every seed's runs and evaluate every method; returns the per-seed metrics, the pooled
+    probabilities, the learning curves and the early-stopping epochs (1-based)."""
+    from ember.csprng import create_generator
+    from ember.swa import MultiSWAG, bayesian_average
+
+    all_batches, eval_batches, bn_batches = batches
+    x_train, y_train = train
+    n_test = len(y_test)
     per_seed: dict[str, dict[str, list[dict]]] = {m: {t: [] for t in TEST_SETS} for m in METHODS}
     pooled: dict[str, dict[str, list[torch.Tensor]]] = {m: {t: [] for t in TEST_SETS}
                                                        for m in METHODS}
@@ -134,25 +200,15 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
         ens = torch.stack(pooled["SGD (cosine LR)"][test_set]).mean(0)
         per_seed["SGD ensemble"][test_set].append(_metrics(ens, y_test))
         pooled["SGD ensemble"][test_set].append(ens)
-    t_experiment = time.perf_counter() - t0
+    return per_seed, pooled, histories, stopped
 
-    results = {t: {m: {k: _summary([r[k] for r in per_seed[m][t]])
-                       for k in ("accuracy", "nll", "ece", "confidence")} for m in METHODS}
-               for t in TEST_SETS}
-    print("\n" + format_results(results), flush=True)
-    for paragraph in results_reading(results, len(settings.seeds)):
-        print("\n" + paragraph, flush=True)
 
-    payload: dict[str, Any] = {
-        "protocol": settings.protocol(), "settings": asdict(settings) | {"swa_start": settings.swa_start},
-        "data": {"n_train": shards["n_train"], "n_test": n_test,
-                 "label_noise_rate_written": shards["noise_rate"]},
-        "results": results,
-        "early_stopping_epochs": stopped,  # 1-based
-        "machine": f"{platform.machine()}, training on 1 torch thread, speed on {threads}, "
-                   f"torch {torch.__version__}",
-    }
-
+def _dp_and_speed(payload: dict[str, Any], settings: DemoSettings, shards: dict[str, Any],
+                  test: tuple[torch.Tensor, torch.Tensor], dp: bool, benchmark: bool,
+                  threads: int) -> tuple[dict[str, Any] | None, dict[str, list]]:
+    """The DP-SGD and speed sections: run them (where asked and possible), print them and record
+    them in ``payload``; returns the DP section (None when skipped) and the speed rows."""
+    x_test, y_test = test
     dp_payload = None
     if dp and importlib.util.find_spec("opacus") is not None:
         print(f"\nDP-SGD with Opacus, {settings.dp_epochs} epochs, non-secure then secure mode ...",
@@ -179,38 +235,7 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
         speed["shards"] = _shards_speed(shards["train"], shards["n_train"], settings.bench_passes)
         print(_format_speed(speed["csprng"], speed["shards"]))
     payload["speed"] = speed
-
-    figures = {
-        "reliability": _plot_reliability({m: {t: torch.cat(v) for t, v in d.items()}
-                                          for m, d in pooled.items()},
-                                         y_test, out / "reliability.png")
-        if len(settings.seeds) else None,
-        "shift": _plot_shift(results, out / "shift.png"),
-        "curves": _plot_curves(histories, settings.swa_start, stopped,
-                               out / "learning_curves.png"),
-    }
-    if benchmark:
-        figures["speed"] = _plot_speed(speed["csprng"], speed["shards"], out / "speed.png")
-    payload["seconds"] = {"experiment": t_experiment, "total": time.perf_counter() - t0}
-    payload["figures"] = {k: str(v) for k, v in figures.items()}
-    payload["reading"] = {
-        "results": results_reading(results, len(settings.seeds)),
-        "reliability": reliability_reading(results),
-        "shift": shift_reading(results),
-        "curves": curves_reading(histories, stopped),
-        "dp": dp_reading(dp_payload),
-        "speed": speed_reading(speed),
-        "subsystems": SUBSYSTEMS,
-    }
-    (out / "results.json").write_text(json.dumps(payload, indent=2))
-    report = _write_report(out / "report.html", payload,
-                           figures,
-                           settings)
-    print(f"\nfigures: {', '.join(str(p) for p in figures.values())}")
-    print(f"results: {out / 'results.json'}")
-    print(f"demo finished in {payload['seconds']['total']:.1f} s")
-    print(f"report: {report.resolve()}")
-    return payload
+    return dp_payload, speed
 
 
 def register(sub: argparse._SubParsersAction) -> None:
