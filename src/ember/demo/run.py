@@ -34,6 +34,7 @@ from ember.demo.protocol import (
     _shards_speed,
     _split,
     _summary,
+    _torch_generator,
     _train_seed,
     shifted_test_sets,
     write_digits_shards,
@@ -113,11 +114,12 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
     dp_payload, speed = _dp_and_speed(payload, settings, shards, (x_test, y_test), dp, benchmark,
                                       threads)
 
-    figures = {
-        "reliability": _plot_reliability({m: {t: torch.cat(v) for t, v in d.items()}
-                                          for m, d in pooled.items()},
-                                         y_test, out / "reliability.png")
-        if len(settings.seeds) else None,
+    figures: dict[str, Path] = {}
+    if settings.seeds:
+        figures["reliability"] = _plot_reliability(
+            {m: {t: torch.cat(v) for t, v in d.items()} for m, d in pooled.items()}, y_test,
+            out / "reliability.png")
+    figures |= {
         "shift": _plot_shift(results, out / "shift.png"),
         "curves": _plot_curves(histories, settings.swa_start, stopped,
                                out / "learning_curves.png"),
@@ -163,7 +165,8 @@ def _seed_runs(settings: DemoSettings, shards: dict[str, Any], batches: tuple[li
     histories: dict[str, list[list[dict]]] = {"SGD, cosine LR": [], "SWA run": [],
                                               "SGD, early-stopped run": []}
     stopped: list[int] = []
-    swags, last_model = [], None
+    swags: list = []
+    last_model: torch.nn.Module | None = None
     for seed in settings.seeds:
         print(f"seed {seed}: training SGD (cosine) and the SWA run, {settings.epochs} epochs "
               "each, and early-stopped SGD ...", flush=True)
@@ -181,18 +184,21 @@ def _seed_runs(settings: DemoSettings, shards: dict[str, Any], batches: tuple[li
                  "SWAG": bayesian_average(swa.model, swa.swag, [b[0] for b in all_batches],
                                           settings.swag_samples, bn_loader=bn_batches,
                                           scale=PROTOCOL["swag_scale"],
-                                          generator=create_generator(seed).fold_in(11))}
+                                          generator=_torch_generator(
+                                              create_generator(seed).fold_in(11)))}
         for method, p in probs.items():
             for test_set, q in _split(p, n_test).items():
                 per_seed[method][test_set].append(_metrics(q, y_test))
                 pooled[method][test_set].append(q)
         swags.append(swa.swag)
         last_model = swa.model
+    if last_model is None:
+        raise ValueError("the demo needs at least one seed")
     print("MultiSWAG: pooling the seeds' SWAG posteriors ...", flush=True)
     p_multi = bayesian_average(last_model, MultiSWAG(swags), [b[0] for b in all_batches],
                                settings.swag_samples, bn_loader=bn_batches,
                                scale=PROTOCOL["swag_scale"],
-                               generator=create_generator(99).fold_in(11))
+                               generator=_torch_generator(create_generator(99).fold_in(11)))
     for test_set, q in _split(p_multi, n_test).items():
         per_seed["MultiSWAG"][test_set].append(_metrics(q, y_test))
         pooled["MultiSWAG"][test_set].append(q)
@@ -226,7 +232,7 @@ def _dp_and_speed(payload: dict[str, Any], settings: DemoSettings, shards: dict[
         payload["dp_skipped"] = "opacus is not installed" if dp else "disabled (--no-dp)"
         print(f"\nDP-SGD section skipped: {payload['dp_skipped']}")
 
-    speed = {"csprng": [], "shards": []}
+    speed: dict[str, list] = {"csprng": [], "shards": []}
     torch.set_num_threads(threads)
     if benchmark:
         print("\nspeed, measured now (other processes on this machine affect both sides):",
