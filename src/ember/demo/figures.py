@@ -49,8 +49,9 @@ def _plot_reliability(probs: dict[str, dict[str, torch.Tensor]], labels: torch.T
             if j == 0:
                 ax.set_ylabel(f"{test_set}\naccuracy", fontsize=9)
             ax.tick_params(labelsize=7)
-    fig.suptitle("reliability (20 equal-mass bins, all seeds pooled; on the dashed line a "
-                 "method is calibrated, below it over-confident)", fontsize=10)
+    fig.suptitle("reliability (20 equal-mass bins, all seeds pooled): on the dashed line a "
+                 "method is calibrated, below it over-confident, above it under-confident",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png")
     return path
