@@ -65,13 +65,7 @@ def _tuning():
 
 
 def _data():
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
-    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # noqa: E731
-    return f(xtr), torch.tensor(ytr), f(xte), torch.tensor(yte)
+    return _tuning().digits()
 
 
 def _model(seed: int) -> nn.Module:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -52,13 +51,7 @@ def _tuning():
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
-    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # noqa: E731
-    return f(xtr), torch.tensor(ytr), f(xte), torch.tensor(yte)
+    return _tuning().digits()
 
 
 def _model() -> nn.Module:
@@ -177,24 +170,10 @@ def experiment(*, quick: bool, seeds: Sequence[int]) -> list[dict]:
         for seed in seeds:
             for method, by_set in _run_seed(seed, quick, xtr, ytr, tests, yte,
                                             tuning["chosen_lr"]).items():
-                for name, m in by_set.items():
-                    cell = per.setdefault((method, name), {})
-                    for k, v in m.items():
-                        cell.setdefault(k, []).append(v)
+                tuning_mod.add_scores(per, method, by_set)
     finally:
         torch.set_num_threads(threads)
-    rows = []
-    for (method, name), cell in per.items():
-        row: dict = {"experiment": "multiswa", "method": method, "test_set": name,
-                     "n_seeds": len(seeds)}
-        if method == "Deep ensemble":
-            row["tuned_lr"] = tuning["chosen_lr"]
-            row["tuning"] = tuning
-        for k, vals in cell.items():
-            for stat, v in tuning_mod.summarize(vals).items():
-                row[f"{k}_{stat}"] = v
-        rows.append(row)
-    return rows
+    return tuning_mod.summary_rows("multiswa", per, len(seeds), "Deep ensemble", tuning)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -210,11 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               + " ".join(f"{k} {r[k + '_mean']:.4f}±{r[k + '_std']:.4f} "
                          f"[{r[k + '_min']:.4f}, {r[k + '_max']:.4f}]"
                          for k in ("accuracy", "nll", "ece", "wall_s")))
-    out = Path(__file__).resolve().parent / "results" / "swa_family_multiswa.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"protocol": PROTOCOL, "quick": args.quick, "rows": rows,
-                               "total_wall_s": time.perf_counter() - t0}, indent=2))
-    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    _tuning().write_results("swa_family_multiswa", PROTOCOL, args.quick, rows, t0)
     return 0
 
 
