@@ -4,7 +4,9 @@ Every fenced ```python block of README.md and of each docs/*.md page (not docs/e
 docs/_incoming/) is one test case, named ``page:line``. Each block runs on its own: a fresh
 namespace, executed in this process with a fresh temporary directory as the working directory, so
 a reader can copy any single block and run it (blocks do not build on earlier blocks of their
-page). torch's global random state and thread count are restored afterwards. A block that cannot
+page). torch's global random state and thread count are restored afterwards. An example should
+take seconds; one still running after ``DEADLINE_S`` (a hang, or a block that needs a cluster or
+a network) fails with a message saying so. A block that cannot
 run here (a GPU, S3, a cluster) carries ``<!-- skip: reason -->`` on the line right before its
 fence and is reported as skipped with that reason.
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import signal
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 90  # an example takes seconds; this leaves room for a loaded 2-core machine
 SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<reason>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
 
@@ -128,7 +133,18 @@ def test_example_runs(example: Example, restored_torch_state) -> None:
     if example.skip_reason is not None:
         pytest.skip(f"{example.name}: {example.skip_reason}")
     code = compile(example.source, example.name, "exec")
-    exec(code, {"__name__": "__docs_example__"})
+
+    def over_time(signum, frame):
+        raise TimeoutError(f"{example.name} ran for more than {DEADLINE_S} s: make it run in "
+                           "seconds on CPU or mark it <!-- skip: reason --> in the page")
+
+    previous = signal.signal(signal.SIGALRM, over_time)
+    signal.alarm(DEADLINE_S)
+    try:
+        exec(code, {"__name__": "__docs_example__"})
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_enough_examples_are_collected() -> None:
@@ -173,3 +189,14 @@ def test_swa_option_tables_match_the_signatures(heading: str, target: str) -> No
     documented = _documented_options(heading)
     actual = _signature_defaults(getattr(ember.swa, target).__init__)
     assert documented == actual
+
+
+def test_a_marked_block_is_skipped_with_its_reason_and_a_slow_one_fails(monkeypatch, tmp_path):
+    page = ROOT / "README.md"
+    marked = Example(page, 1, "raise RuntimeError('must not run')\n", "needs a GPU")
+    with pytest.raises(pytest.skip.Exception, match="README.md:1: needs a GPU"):
+        test_example_runs(marked, tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "DEADLINE_S", 1)
+    slow = Example(page, 1, "import time\ntime.sleep(30)\n", None)
+    with pytest.raises(TimeoutError, match="ran for more than 1 s"):
+        test_example_runs(slow, tmp_path)
