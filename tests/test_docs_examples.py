@@ -1,14 +1,15 @@
 """The python examples of README.md and docs/*.md run as written, and option tables match the code.
 
 Every fenced ```python block of README.md and of each docs/*.md page (not docs/experiments/, not
-docs/_incoming/) is one test case, named ``page:line``. Each block runs on its own: a fresh
-namespace, executed in this process with a fresh temporary directory as the working directory, so
-a reader can copy any single block and run it (blocks do not build on earlier blocks of their
-page). torch's global random state and thread count are restored afterwards. An example should
-take seconds; one still running after ``DEADLINE_S`` (a hang, or a block that needs a cluster or
-a network) fails with a message saying so. A block that cannot
-run here (a GPU, S3, a cluster) carries ``<!-- skip: reason -->`` on the line right before its
-fence and is reported as skipped with that reason.
+docs/_incoming/) is one test case, named ``page:line``. Each block runs on its own, as a reader
+who copies it would run it: in a fresh Python process (``python -``, the block on stdin) whose
+working directory is an empty temporary folder, so blocks do not build on earlier blocks of their
+page and leave no state behind. An example should take seconds; one still running after
+``DEADLINE_S`` (a hang, or a block that needs a cluster or a network) is killed and fails with a
+message saying so (a signal in this process could not stop a library that retries through it, as
+``ray.init`` did). A block that cannot run here (a GPU, S3, a cluster) carries
+``<!-- skip: reason -->`` on the line right before its fence and is reported as skipped with that
+reason.
 
 ``table_rows(page, heading)`` / ``table_first_column(page, heading)`` read the markdown table under
 a heading, for tests that hold an option table against the code (dataclass fields, argparse flags,
@@ -18,15 +19,16 @@ signatures); this module uses them for the averagers' tables in docs/swa.md.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import signal
+import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 90  # an example takes seconds; this leaves room for a loaded 2-core machine
@@ -117,34 +119,30 @@ def table_first_column(page: Path, heading: str) -> list[str]:
 EXAMPLES = all_examples()
 
 
-@pytest.fixture
-def restored_torch_state(tmp_path, monkeypatch):
-    """Runs the test in an empty directory and gives torch its random state and threads back."""
-    monkeypatch.chdir(tmp_path)
-    rng = torch.get_rng_state()
-    threads = torch.get_num_threads()
-    yield tmp_path
-    torch.set_rng_state(rng)
-    torch.set_num_threads(threads)
+def run_example(example: Example, cwd: Path, deadline_s: float) -> None:
+    """Run ``example`` in a fresh interpreter in ``cwd``; fail with its output if it raises, and
+    kill it (with every process it started) and fail if it runs past ``deadline_s``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(example.source, timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: children it started go too
+        proc.communicate()
+        pytest.fail(f"{example.name} ran for more than {deadline_s} s (killed): make it run in "
+                    "seconds on CPU or mark it <!-- skip: reason --> in the page", pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(f"{example.name} exited with {proc.returncode}:\n{stderr[-4000:]}",
+                    pytrace=False)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.name for e in EXAMPLES])
-def test_example_runs(example: Example, restored_torch_state) -> None:
+def test_example_runs(example: Example, tmp_path) -> None:
     if example.skip_reason is not None:
         pytest.skip(f"{example.name}: {example.skip_reason}")
-    code = compile(example.source, example.name, "exec")
-
-    def over_time(signum, frame):
-        raise TimeoutError(f"{example.name} ran for more than {DEADLINE_S} s: make it run in "
-                           "seconds on CPU or mark it <!-- skip: reason --> in the page")
-
-    previous = signal.signal(signal.SIGALRM, over_time)
-    signal.alarm(DEADLINE_S)
-    try:
-        exec(code, {"__name__": "__docs_example__"})
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    run_example(example, tmp_path, DEADLINE_S)
 
 
 def test_enough_examples_are_collected() -> None:
@@ -191,12 +189,17 @@ def test_swa_option_tables_match_the_signatures(heading: str, target: str) -> No
     assert documented == actual
 
 
-def test_a_marked_block_is_skipped_with_its_reason_and_a_slow_one_fails(monkeypatch, tmp_path):
+def test_a_marked_block_is_skipped_with_its_reason_and_a_failing_or_slow_one_fails(tmp_path):
     page = ROOT / "README.md"
     marked = Example(page, 1, "raise RuntimeError('must not run')\n", "needs a GPU")
     with pytest.raises(pytest.skip.Exception, match="README.md:1: needs a GPU"):
         test_example_runs(marked, tmp_path)
-    monkeypatch.setattr(sys.modules[__name__], "DEADLINE_S", 1)
-    slow = Example(page, 1, "import time\ntime.sleep(30)\n", None)
-    with pytest.raises(TimeoutError, match="ran for more than 1 s"):
-        test_example_runs(slow, tmp_path)
+    failing = Example(page, 2, "raise ValueError('bad example')\n", None)
+    with pytest.raises(pytest.fail.Exception, match="(?s)README.md:2 exited with 1.*bad example"):
+        test_example_runs(failing, tmp_path)
+    slow = Example(page, 3, "import time\ntime.sleep(60)\n", None)
+    with pytest.raises(pytest.fail.Exception, match="ran for more than 2 s"):
+        run_example(slow, tmp_path, 2)
+    writes = Example(page, 4, "open('out.txt', 'w').write('x')\n", None)
+    run_example(writes, tmp_path, 60)
+    assert (tmp_path / "out.txt").read_text() == "x"  # the block ran in the folder given
