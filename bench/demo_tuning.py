@@ -1,4 +1,4 @@
-"""Tune the peak learning rate of ``ember demo``'s cosine-annealed SGD baseline (issue 28).
+"""Tune the peak learning rate of ``ember demo``'s cosine-annealed SGD baseline.
 
 The protocol is in docs/train.md ("The pre-specified experiment", baseline), written before this
 script was first run: peak rates {0.25, 0.5, 1, 2} x the demo's 0.05, each cosine-annealed to 0

@@ -1,4 +1,4 @@
-"""The SWA-family table of issue 17 on scikit-learn's digits.
+"""The SWA-family table on scikit-learn's digits.
 
 ``python bench/swa_family.py [--quick] [--seeds N] [--only NAME ...]`` imports every
 ``bench/swa_family_<method>.py`` that exists (method in multiswa, subspace, fastswa, swalp, swap),

@@ -1,4 +1,4 @@
-"""fast-SWA vs SWA at the same training budget on scikit-learn's digits (issue 17).
+"""fast-SWA vs SWA at the same training budget on scikit-learn's digits.
 
 ``python bench/swa_family_fastswa.py [--quick]`` prints a table and writes
 bench/results/swa_family_fastswa.json; ``bench/swa_family.py`` imports :func:`experiment`.
@@ -30,7 +30,7 @@ torch.manual_seed(seed) and data order from a generator seeded with seed, the sa
 method. Budget: 24 epochs (quick: 6) for every method; the first half at lr 0.05 for all but
 "SGD (cosine)".
 - "SGD (cosine)": the strongest simple baseline at the same compute: a peak lr cosine-annealed
-  per epoch to 0 over all epochs (CosineAnnealingLR); the final weights. Issue 28: the peak lr
+  per epoch to 0 over all epochs (CosineAnnealingLR); the final weights. The peak lr
   is chosen from {0.0125, 0.025, 0.05, 0.1} (quick: {0.025, 0.05}) by the mean validation NLL
   over the seeds, training on 80% of the training set and scoring on a stratified 20% held out
   from it (random_state=0; never the test sets); the row is then trained on the whole training
@@ -65,13 +65,7 @@ def _tuning():
 
 
 def _data():
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
-    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # noqa: E731
-    return f(xtr), torch.tensor(ytr), f(xte), torch.tensor(yte)
+    return _tuning().digits()
 
 
 def _model(seed: int) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Multi-SWA and MultiSWAG vs a deep ensemble of the same size on scikit-learn's digits (issue 17).
+"""Multi-SWA and MultiSWAG vs a deep ensemble of the same size on scikit-learn's digits.
 
 ``python bench/swa_family_multiswa.py [--quick] [--seeds N]`` prints a table and writes
 bench/results/swa_family_multiswa.json; ``bench/swa_family.py`` imports :func:`experiment`.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -25,7 +24,7 @@ cross-entropy, trained with ember.train.fit. Ensemble size M = 3 (quick: 2); for
 members use seeds 10*s + j (initial weights torch.manual_seed, data order and fit's seed), j < M.
 Budget per member: 20 epochs (quick: 4).
 - "Deep ensemble": M SGD runs, cosine learning-rate decay (CosineAnnealingLR over the epochs)
-  from a tuned peak lr, final iterates, mean of the members' softmax probabilities. Issue 28: the
+  from a tuned peak lr, final iterates, mean of the members' softmax probabilities. The
   peak lr is chosen from {0.0125, 0.025, 0.05, 0.1} (quick: {0.025, 0.05}) by the mean
   validation NLL of single cosine runs at seeds 10*s (each ensemble's first member), trained on
   80% of the training set and scored on a stratified 20% held out from it (random_state=0; never
@@ -52,13 +51,7 @@ def _tuning():
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
-    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # noqa: E731
-    return f(xtr), torch.tensor(ytr), f(xte), torch.tensor(yte)
+    return _tuning().digits()
 
 
 def _model() -> nn.Module:
@@ -177,24 +170,10 @@ def experiment(*, quick: bool, seeds: Sequence[int]) -> list[dict]:
         for seed in seeds:
             for method, by_set in _run_seed(seed, quick, xtr, ytr, tests, yte,
                                             tuning["chosen_lr"]).items():
-                for name, m in by_set.items():
-                    cell = per.setdefault((method, name), {})
-                    for k, v in m.items():
-                        cell.setdefault(k, []).append(v)
+                tuning_mod.add_scores(per, method, by_set)
     finally:
         torch.set_num_threads(threads)
-    rows = []
-    for (method, name), cell in per.items():
-        row: dict = {"experiment": "multiswa", "method": method, "test_set": name,
-                     "n_seeds": len(seeds)}
-        if method == "Deep ensemble":
-            row["tuned_lr"] = tuning["chosen_lr"]
-            row["tuning"] = tuning
-        for k, vals in cell.items():
-            for stat, v in tuning_mod.summarize(vals).items():
-                row[f"{k}_{stat}"] = v
-        rows.append(row)
-    return rows
+    return tuning_mod.summary_rows("multiswa", per, len(seeds), "Deep ensemble", tuning)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -210,11 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               + " ".join(f"{k} {r[k + '_mean']:.4f}±{r[k + '_std']:.4f} "
                          f"[{r[k + '_min']:.4f}, {r[k + '_max']:.4f}]"
                          for k in ("accuracy", "nll", "ece", "wall_s")))
-    out = Path(__file__).resolve().parent / "results" / "swa_family_multiswa.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"protocol": PROTOCOL, "quick": args.quick, "rows": rows,
-                               "total_wall_s": time.perf_counter() - t0}, indent=2))
-    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    _tuning().write_results("swa_family_multiswa", PROTOCOL, args.quick, rows, t0)
     return 0
 
 

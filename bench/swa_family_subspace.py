@@ -1,4 +1,4 @@
-"""Subspace Inference vs SWA vs SWAG on scikit-learn's digits (issue 17).
+"""Subspace Inference vs SWA vs SWAG on scikit-learn's digits.
 
 ``python bench/swa_family_subspace.py [--quick] [--seeds N]`` prints a table and writes
 bench/results/swa_family_subspace.json; ``bench/swa_family.py`` imports :func:`experiment`.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ cross-entropy; initial weights from torch.manual_seed(seed), data order from a t
 seeded with seed. Budget: 24 epochs (quick: 6): lr 0.05 for the first half, then constant lr 0.02;
 after every epoch of the second half the weights go into ember.swa.SWA and a SWAG
 (max_rank = number of collections). BatchNorm recomputed on the training set for every model.
-- "SGD (cosine, tuned)" (issue 28): the strongest simple baseline at the same compute: SGD from
+- "SGD (cosine, tuned)": the strongest simple baseline at the same compute: SGD from
   the same initial weights and data order, 24 epochs (quick: 6), the rate cosine-annealed per
   epoch from a peak lr to 0; the final weights. The peak lr is chosen from {0.0125, 0.025, 0.05,
   0.1} (quick: {0.025, 0.05}) by the mean validation NLL over the seeds, training on 80% of the
@@ -68,13 +67,7 @@ def temperatures(n_train: int, quick: bool) -> list[float]:
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
-    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # noqa: E731
-    return f(xtr), torch.tensor(ytr), f(xte), torch.tensor(yte)
+    return _tuning().digits()
 
 
 def _model() -> nn.Module:
@@ -215,24 +208,10 @@ def experiment(*, quick: bool, seeds: Sequence[int]) -> list[dict]:
         for seed in seeds:
             for method, by_set in _run_seed(seed, quick, xtr, ytr, tests, yte,
                                             tuning["chosen_lr"]).items():
-                for name, m in by_set.items():
-                    cell = per.setdefault((method, name), {})
-                    for k, v in m.items():
-                        cell.setdefault(k, []).append(v)
+                tuning_mod.add_scores(per, method, by_set)
     finally:
         torch.set_num_threads(threads)
-    rows = []
-    for (method, name), cell in per.items():
-        row: dict = {"experiment": "subspace", "method": method, "test_set": name,
-                     "n_seeds": len(seeds)}
-        if method == "SGD (cosine, tuned)":
-            row["tuned_lr"] = tuning["chosen_lr"]
-            row["tuning"] = tuning
-        for k, vals in cell.items():
-            for stat, v in tuning_mod.summarize(vals).items():
-                row[f"{k}_{stat}"] = v
-        rows.append(row)
-    return rows
+    return tuning_mod.summary_rows("subspace", per, len(seeds), "SGD (cosine, tuned)", tuning)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -248,11 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               + " ".join(f"{k} {r[k + '_mean']:.4f}±{r[k + '_std']:.4f} "
                          f"[{r[k + '_min']:.4f}, {r[k + '_max']:.4f}]"
                          for k in ("accuracy", "nll", "ece", "wall_s")))
-    out = Path(__file__).resolve().parent / "results" / "swa_family_subspace.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"protocol": PROTOCOL, "quick": args.quick, "rows": rows,
-                               "total_wall_s": time.perf_counter() - t0}, indent=2))
-    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    _tuning().write_results("swa_family_subspace", PROTOCOL, args.quick, rows, t0)
     return 0
 
 

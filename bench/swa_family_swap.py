@@ -1,4 +1,4 @@
-"""SWAP with 2 processes vs single-process small-batch SGD on scikit-learn's digits (issue 17).
+"""SWAP with 2 processes vs single-process small-batch SGD on scikit-learn's digits.
 
 ``python bench/swa_family_swap.py [--quick]`` prints a table and writes
 bench/results/swa_family_swap.json; ``bench/swa_family.py`` imports :func:`experiment`.
@@ -30,8 +30,8 @@ Model: MLP 64-128-BN-ReLU-128-BN-ReLU-10, SGD momentum 0.9, weight decay 5e-4, c
 initial weights from torch.manual_seed(seed), the same for every method. Every process uses one
 CPU thread. Methods (full / quick):
 - "small-batch SGD (cosine)": 1 process, batch 32, a peak lr annealed per step to 0 along a
-  cosine over 24 / 4 epochs (the strongest simple baseline at the same epochs; issue 28 replaced
-  the constant-rate baseline, which understated it). Issue 28, second round: the peak lr is
+  cosine over 24 / 4 epochs (the strongest simple baseline at the same epochs; it replaced
+  a constant-rate baseline, which understated it). The peak lr is
   chosen from {0.0125, 0.025, 0.05, 0.1} (quick: {0.025, 0.05}) by the mean validation NLL over
   the seeds, training on 80% of the training set and scoring on a stratified 20% held out from it
   (random_state=0; never the test sets); the row is then trained on the whole training set at
@@ -67,13 +67,7 @@ def _tuning():
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
-    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # noqa: E731
-    return f(xtr), torch.tensor(ytr), f(xte), torch.tensor(yte)
+    return _tuning().digits()
 
 
 def _model(seed: int) -> nn.Module:

@@ -1,4 +1,4 @@
-"""The tuning step of the SWA benches' cosine-annealed SGD baseline (issue 28, docs/swa.md).
+"""The tuning step of the SWA benches' cosine-annealed SGD baseline (docs/experiments/swa-family.md).
 
 Not an experiment of ``bench/swa_family.py``; the benches load it by path (they are loaded so too).
 The baseline's peak learning rate is chosen from a grid fixed in advance ({0.25, 0.5, 1, 2} x
@@ -9,9 +9,12 @@ then trained on the whole training set at the chosen rate by the bench itself.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,3 +115,53 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     vals = list(values)
     return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
             "min": min(vals), "max": max(vals)}
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SWA benches' data: scikit-learn's digits as (N, 1, 8, 8) float32 in [0, 1], split
+    70/30 stratified with random_state=0; returns x_train, y_train, x_test, y_test."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
+    f = lambda a: torch.tensor(a / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)  # noqa: E731
+    return f(xtr), torch.tensor(ytr), f(xte), torch.tensor(yte)
+
+
+def add_scores(per: dict[tuple[str, str], dict[str, list[float]]], method: str,
+               by_set: dict[str, dict[str, float]]) -> None:
+    """Append one seed's metrics of ``method`` (test set -> metric -> value) to ``per``."""
+    for name, m in by_set.items():
+        cell = per.setdefault((method, name), {})
+        for k, v in m.items():
+            cell.setdefault(k, []).append(v)
+
+
+def summary_rows(experiment: str, per: dict[tuple[str, str], dict[str, list[float]]],
+                 n_seeds: int, tuned_method: str, tuning: dict[str, Any]) -> list[dict]:
+    """One row per (method, test set): every metric's :func:`summarize` over the seeds, and the
+    tuning record on the tuned baseline's rows."""
+    rows = []
+    for (method, name), cell in per.items():
+        row: dict = {"experiment": experiment, "method": method, "test_set": name,
+                     "n_seeds": n_seeds}
+        if method == tuned_method:
+            row["tuned_lr"] = tuning["chosen_lr"]
+            row["tuning"] = tuning
+        for k, vals in cell.items():
+            for stat, v in summarize(vals).items():
+                row[f"{k}_{stat}"] = v
+        rows.append(row)
+    return rows
+
+
+def write_results(name: str, protocol: str, quick: bool, rows: list[dict], t0: float) -> Path:
+    """Write ``bench/results/<name>.json`` (protocol, quick, rows, total wall time since ``t0``)
+    and say so."""
+    out = Path(__file__).resolve().parent / "results" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"protocol": protocol, "quick": quick, "rows": rows,
+                               "total_wall_s": time.perf_counter() - t0}, indent=2))
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    return out

@@ -39,13 +39,13 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
         if not hasattr(namespace, "_deepest_prog"):  # the innermost sub-command finishes first
             namespace._deepest_prog = self.prog
         return namespace, extras
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_args(self, args=None, namespace=None):
         namespace, extras = self.parse_known_args(args, namespace)
         prog = vars(namespace).pop("_deepest_prog", self.prog)
         if extras:  # named by the sub-command they were given to, not by the top level

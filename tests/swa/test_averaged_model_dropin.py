@@ -1,5 +1,5 @@
 """ember's SWA/EMA run code written for ``torch.optim.swa_utils.AveragedModel`` unchanged and give
-torch's numbers (issue 28, item 8)."""
+torch's numbers."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def test_ema_power_warmup_matches_timm_formula():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_copy_keeps_moving(dtype):
-    # issue 28, item 6: a float16 average with decay 0.9999 rounded every update back to itself
+    # a float16 average without a float32 master with decay 0.9999 rounded every update back to itself
     torch.manual_seed(0)
     model = nn.Linear(64, 64)
     ema = EMA(model, decay=0.9999, warmup=False)
@@ -173,8 +173,8 @@ def _step(model: nn.Module, seed: int) -> None:
 
 @pytest.mark.parametrize("cls", [swa_utils.AveragedModel, SWA, EMA])
 def test_count_survives_a_load_through_a_parent_module(cls):
-    # reviewer of issue 28: a checkpoint of a parent (ModuleDict, Lightning module) restored
-    # n_averaged but not the count ember's updates used, so the average restarted
+    # a checkpoint of a parent (ModuleDict, Lightning module) restores n_averaged; the count
+    # ember's updates use must follow it, or the average would restart
     model = _net()
     holder = nn.ModuleDict({"avg": cls(model)})
     for t in range(10):

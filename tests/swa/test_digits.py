@@ -2,7 +2,7 @@
 
 The baselines: the final iterate of the SWA run (constant rate) and, the strongest simple one,
 SGD with the rate cosine-annealed to 0 over the same number of epochs, from the same initial
-weights and data order, its peak rate tuned (issue 28): chosen from {0.25, 0.5, 1, 2} x the SWA
+weights and data order, its peak rate tuned: chosen from {0.25, 0.5, 1, 2} x the SWA
 run's 0.1 by the mean validation NLL over the seeds, training on 80% of the training set and
 scoring on a stratified 20% held out from it (never the test set); then trained on the whole
 training set at that rate. Against it SWA and SWAG show no measurable gain (docs/swa.md).

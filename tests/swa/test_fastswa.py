@@ -124,7 +124,7 @@ def test_quick_experiment_rows_have_the_contract_keys_and_finite_numbers():
 
 
 def test_default_collection_spans_the_whole_cycle_as_the_reference():
-    # issue 28: the reference (fastswa-semi-sup) collects every k steps across the whole cycle
+    # the reference (fastswa-semi-sup) collects every k steps across the whole cycle
     assert FastSWASchedule(10, 2).positions == [1, 3, 5, 7, 9]
     assert FastSWASchedule(10, 2, start=0.5).positions == [5, 7, 9]  # the window is an option
 

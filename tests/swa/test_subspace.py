@@ -205,11 +205,11 @@ def test_bench_experiment_quick_structure():
     assert "temperature" in mod.PROTOCOL
     rows = mod.experiment(quick=True, seeds=[0])
     methods = {r["method"] for r in rows}
-    # issue 28: at temperature 1 a 5-D posterior collapses onto SWA; the paper's large
+    # at temperature 1 a 5-D posterior collapses onto SWA; the paper's large
     # temperatures are run too
     temps = [f"T={t:g}" for t in mod.temperatures(1257, True)]
     assert temps == ["T=1", "T=125.7"]
-    # issue 28: the tuned cosine-annealed SGD baseline at the same epochs
+    # the tuned cosine-annealed SGD baseline at the same epochs
     assert methods == {"SGD (cosine, tuned)", "SWA", "SWAG"} | {
         f"Subspace {k} {t}" for k in ("ESS", "VI") for t in temps}
     tuned = [r for r in rows if r["method"] == "SGD (cosine, tuned)"]

@@ -338,7 +338,7 @@ def test_quantization_after_activations_and_at_layer_inputs():
 
 
 def test_averaged_model_is_evaluated_in_full_precision():
-    # issue 28, item 1: the hooks were deep-copied into SWA(model).module, so the average was
+    # the hooks used to be deep-copied into SWA(model).module, so the average was
     # evaluated with quantized activations (SWALP's reference evaluates it in full precision)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))

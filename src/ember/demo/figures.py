@@ -22,52 +22,82 @@ def _figure(width: float, height: float) -> Any:
 
 def _plot_reliability(probs: dict[str, dict[str, torch.Tensor]], labels: torch.Tensor,
                       path: Path) -> Path:
+    """Small multiples: one reliability curve per panel, a row per test set and a column per
+    method, on shared axes, so that each method's curve is read alone against the diagonal."""
     from ember.swa import calibration_bins, expected_calibration_error
 
-    fig = _figure(15, 5)
+    fig = _figure(2.3 * len(METHODS), 2.3 * len(TEST_SETS) + 0.6)
+    axes = fig.subplots(len(TEST_SETS), len(METHODS), sharex=True, sharey=True, squeeze=False)
     for i, test_set in enumerate(TEST_SETS):
-        ax = fig.add_subplot(1, 3, i + 1)
-        ax.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1)
         for j, method in enumerate(METHODS):
+            ax = axes[i][j]
             p = probs[method][test_set]
             y = labels.repeat(len(p) // len(labels))  # seeds pooled (pooled methods: one model)
             bins = calibration_bins(p, y, 20, "mass")
             ece = expected_calibration_error(p, y, 20, "mass")
-            ax.plot(bins.confidence.numpy(), bins.accuracy.numpy(), marker="o", markersize=3,
-                    color=f"C{j}", label=f"{method} (ECE {ece:.3f})")
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("confidence")
-        ax.set_ylabel("accuracy")
-        ax.set_title(f"{test_set} (all seeds pooled)")
-        ax.legend(loc="upper left", fontsize=7)
+            ax.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1)
+            ax.plot(bins.confidence.numpy(), bins.accuracy.numpy(), marker="o", markersize=2.5,
+                    color=f"C{j}")
+            ax.text(0.97, 0.04, f"ECE {ece:.3f}", ha="right", va="bottom", fontsize=8,
+                    transform=ax.transAxes)
+            ax.set_xlim(0, 1)
+            ax.set_ylim(0, 1)
+            if i == 0:
+                ax.set_title(_wrap(method), fontsize=9)
+            if i == len(TEST_SETS) - 1:
+                ax.set_xlabel("confidence", fontsize=8)
+            if j == 0:
+                ax.set_ylabel(f"{test_set}\naccuracy", fontsize=9)
+            ax.tick_params(labelsize=7)
+    fig.suptitle("reliability (20 equal-mass bins, all seeds pooled): on the dashed line a "
+                 "method is calibrated, below it over-confident, above it under-confident",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png")
     return path
 
 
+def _wrap(name: str, width: int = 18) -> str:
+    """A method name broken into lines of about ``width`` characters (panel titles)."""
+    lines: list[str] = []
+    for word in name.split():
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return "\n".join(lines)
+
+
+def _legend_below(fig: Any, ax: Any, ncol: int) -> None:
+    """One legend for the figure, under the axes, so that it covers no data."""
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+
+
 def _plot_shift(results: dict, path: Path) -> Path:
-    fig = _figure(11, 4)
+    fig = _figure(11, 4.8)
+    width = 0.06  # methods side by side at each test set, so their error bars do not overlap
     for k, metric in enumerate(("accuracy", "nll")):
         ax = fig.add_subplot(1, 2, k + 1)
         for j, method in enumerate(METHODS):
             means = [results[t][method][metric]["mean"] for t in TEST_SETS]
             stds = [results[t][method][metric]["std"] or 0.0 for t in TEST_SETS]
-            ax.errorbar(range(len(TEST_SETS)), means, yerr=stds, marker="o", capsize=3,
+            xs = [i + (j - (len(METHODS) - 1) / 2) * width for i in range(len(TEST_SETS))]
+            ax.errorbar(xs, means, yerr=stds, marker="o", markersize=4, capsize=2,
                         color=f"C{j}", label=method)
         ax.set_xticks(range(len(TEST_SETS)))
         ax.set_xticklabels(TEST_SETS)
         ax.set_ylabel(metric.upper() if metric == "nll" else metric)
-        ax.set_title(f"{'NLL' if metric == 'nll' else 'accuracy'} against shift")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+        ax.set_title(f"{'NLL' if metric == 'nll' else 'accuracy'} against shift (mean ± std over seeds)")
+    _legend_below(fig, ax, ncol=4)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, format="png")
     return path
 
 
 def _plot_curves(histories: dict[str, list[list[dict]]], swa_start: int, stopped: list[int],
                  path: Path) -> Path:
-    fig = _figure(11, 4)
+    fig = _figure(11, 4.6)
     ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for j, (name, runs) in enumerate(histories.items()):
         n = min(len(h) for h in runs)  # early-stopped runs end at different epochs
@@ -83,8 +113,8 @@ def _plot_curves(histories: dict[str, list[list[dict]]], swa_start: int, stopped
     for ax in (ax1, ax2):
         ax.axvline(swa_start + 0.5, color="grey", linestyle="--", linewidth=1, label="SWA starts")
         ax.set_xlabel("epoch (mean over seeds)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    _legend_below(fig, ax2, ncol=5)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, format="png")
     return path
 

@@ -13,7 +13,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -191,15 +191,22 @@ def _rotate(x: torch.Tensor, degrees: torch.Tensor) -> torch.Tensor:
                                      align_corners=False)
 
 
+def _torch_generator(generator: Any) -> torch.Generator:
+    """An ember.csprng generator typed as what it stands in for: torch's functions and ember's
+    take it wherever they take ``generator=`` (ember.csprng's torch adapter routes the draw);
+    torch's type stubs know only ``torch.Generator``."""
+    return cast(torch.Generator, generator)
+
+
 def shifted_test_sets(x: torch.Tensor) -> dict[str, torch.Tensor]:
     """The protocol's three test inputs from clean images ``x`` in [0, 1] (1.0 is 16 on the
     digits' 0..16 scale)."""
     from ember.csprng import create_generator
 
     sigma = PROTOCOL["pixel_noise_sigma_0_16"] / 16.0
-    noise = torch.randn(x.shape, generator=create_generator(1)) * sigma
+    noise = torch.randn(x.shape, generator=_torch_generator(create_generator(1))) * sigma
     max_deg = PROTOCOL["rotation_degrees"]
-    angles = (torch.rand(x.shape[0], generator=create_generator(2)) * 2 - 1) * max_deg
+    angles = (torch.rand(x.shape[0], generator=_torch_generator(create_generator(2))) * 2 - 1) * max_deg
     return {"clean": x, "pixel noise": (x + noise).clamp_(0, 1), "rotation": _rotate(x, angles)}
 
 
@@ -230,7 +237,7 @@ def _train_loader(urls: str, seed: int) -> Any:
 
     # the shuffle buffer and shard order are drawn by an ember.csprng generator
     return image_class_loader(urls, 32, seed=seed, shuffle=500, grayscale=True,
-                              generator=create_generator(seed).fold_in(7))
+                              generator=_torch_generator(create_generator(seed).fold_in(7)))
 
 
 def _train_seed(seed: int, settings: DemoSettings, train_urls: str, eval_batches: list,
@@ -302,7 +309,8 @@ def _early_stopped(seed: int, settings: DemoSettings, x: torch.Tensor, y: torch.
             since += 1
             if since >= PROTOCOL["patience"]:
                 break
-    model.load_state_dict(best_state)
+    if best_state is not None:  # always set: the first epoch beats best = -1
+        model.load_state_dict(best_state)
     return {"model": model, "epoch": best_epoch, "history": history, "val_accuracy": best}
 
 

@@ -60,9 +60,10 @@ def _compare(table: dict[str, dict[str, Any]], metric: str) -> tuple[str, str, f
     rival = best_method(table, metric, AVERAGING if best not in AVERAGING else BASELINES)
     a, b = table[best][metric], table[rival][metric]
     diff = abs(a["mean"] - b["mean"])
-    if _std(a) is None or _std(b) is None:
+    std_a, std_b = _std(a), _std(b)
+    if std_a is None or std_b is None:
         return best, rival, diff, None
-    return best, rival, diff, diff > _std(a) + _std(b)
+    return best, rival, diff, diff > std_a + std_b
 
 
 def _meaning(best: str, rival: str, clear: bool | None, tie: bool, metric: str) -> str:
@@ -183,10 +184,11 @@ def shift_reading(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     most = min(SINGLE_METHODS, key=lambda m: mean[m])
     text = (f"Accuracy lost from clean to the worst shifted test set (mean over seeds): smallest "
             f"for {least} ({mean[least]:+.3f}), largest for {most} ({mean[most]:+.3f}). ")
-    if std[least] is None or std[most] is None:
+    std_least, std_most = std[least], std[most]
+    if std_least is None or std_most is None:
         return text + "With one seed there is no spread to judge this by."
     gap = mean[least] - mean[most]
-    spread = std[least] + std[most]
+    spread = std_least + std_most
     if gap > spread:
         return text + (f"The gap ({gap:.3f}) is larger than the seed spread of the drops "
                        f"({spread:.3f}): {least} is measurably more robust to these shifts than "

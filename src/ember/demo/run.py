@@ -34,6 +34,7 @@ from ember.demo.protocol import (
     _shards_speed,
     _split,
     _summary,
+    _torch_generator,
     _train_seed,
     shifted_test_sets,
     write_digits_shards,
@@ -71,9 +72,6 @@ def run_demo(out: Path = DEFAULT_OUT, *, quick: bool = False, progress: bool = T
 
 def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp: bool,
          threads: int) -> dict[str, Any]:
-    from ember.csprng import create_generator
-    from ember.swa import MultiSWAG, bayesian_average
-
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,49 +89,9 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
     x_train, y_train = _read_all(shards["train"])
     bn_batches = _batches(x_train, y_train, 32)  # training inputs for BatchNorm recomputation
 
-    per_seed: dict[str, dict[str, list[dict]]] = {m: {t: [] for t in TEST_SETS} for m in METHODS}
-    pooled: dict[str, dict[str, list[torch.Tensor]]] = {m: {t: [] for t in TEST_SETS}
-                                                       for m in METHODS}
-    histories: dict[str, list[list[dict]]] = {"SGD, cosine LR": [], "SWA run": [],
-                                              "SGD, early-stopped run": []}
-    stopped: list[int] = []
-    swags, last_model = [], None
-    for seed in settings.seeds:
-        print(f"seed {seed}: training SGD (cosine) and the SWA run, {settings.epochs} epochs "
-              "each, and early-stopped SGD ...", flush=True)
-        runs = _train_seed(seed, settings, shards["train"], eval_batches, bn_batches, out, progress)
-        sgd, swa = runs["sgd"], runs["swa"]
-        histories["SGD, cosine LR"].append(sgd.history)
-        histories["SWA run"].append(swa.history)
-        early = _early_stopped(seed, settings, x_train, y_train, eval_batches)
-        histories["SGD, early-stopped run"].append(early["history"])
-        stopped.append(early["epoch"] + 1)  # 1-based, as everywhere in the report
-        probs = {"SGD (cosine LR)": _probs(sgd.model, all_batches),
-                 "SGD (early-stopped)": _probs(early["model"], all_batches),
-                 "SGD (SWA run, final iterate)": _probs(swa.model, all_batches),
-                 "SWA": _probs(swa.swa.module, all_batches),
-                 "SWAG": bayesian_average(swa.model, swa.swag, [b[0] for b in all_batches],
-                                          settings.swag_samples, bn_loader=bn_batches,
-                                          scale=PROTOCOL["swag_scale"],
-                                          generator=create_generator(seed).fold_in(11))}
-        for method, p in probs.items():
-            for test_set, q in _split(p, n_test).items():
-                per_seed[method][test_set].append(_metrics(q, y_test))
-                pooled[method][test_set].append(q)
-        swags.append(swa.swag)
-        last_model = swa.model
-    print("MultiSWAG: pooling the seeds' SWAG posteriors ...", flush=True)
-    p_multi = bayesian_average(last_model, MultiSWAG(swags), [b[0] for b in all_batches],
-                               settings.swag_samples, bn_loader=bn_batches,
-                               scale=PROTOCOL["swag_scale"],
-                               generator=create_generator(99).fold_in(11))
-    for test_set, q in _split(p_multi, n_test).items():
-        per_seed["MultiSWAG"][test_set].append(_metrics(q, y_test))
-        pooled["MultiSWAG"][test_set].append(q)
-        # MultiSWAG's baseline at the same compute: the cosine-SGD seed models, outputs averaged
-        ens = torch.stack(pooled["SGD (cosine LR)"][test_set]).mean(0)
-        per_seed["SGD ensemble"][test_set].append(_metrics(ens, y_test))
-        pooled["SGD ensemble"][test_set].append(ens)
+    per_seed, pooled, histories, stopped = _seed_runs(
+        settings, shards, (all_batches, eval_batches, bn_batches), (x_train, y_train), y_test,
+        out, progress)
     t_experiment = time.perf_counter() - t0
 
     results = {t: {m: {k: _summary([r[k] for r in per_seed[m][t]])
@@ -153,38 +111,15 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
                    f"torch {torch.__version__}",
     }
 
-    dp_payload = None
-    if dp and importlib.util.find_spec("opacus") is not None:
-        print(f"\nDP-SGD with Opacus, {settings.dp_epochs} epochs, non-secure then secure mode ...",
-              flush=True)
-        t_dp = time.perf_counter()
-        dp_payload = _dp_section(shards["train"], (x_test, y_test), settings.dp_epochs)
-        payload["dp"] = dp_payload
-        payload["seconds_dp"] = time.perf_counter() - t_dp
-        for r in dp_payload["runs"]:
-            print(f"  secure_mode={r['secure_mode']!s:<5}  epsilon {r['epsilon']:.2f} (delta 1e-5)"
-                  f"  clean test accuracy {r['accuracy']:.3f}  {r['train_seconds']:.2f} s")
-        print(f"  secure mode took {dp_payload['secure_time_ratio']:.2f}x the time of non-secure "
-              f"mode ({dp_payload['how']})")
-    else:
-        payload["dp_skipped"] = "opacus is not installed" if dp else "disabled (--no-dp)"
-        print(f"\nDP-SGD section skipped: {payload['dp_skipped']}")
+    dp_payload, speed = _dp_and_speed(payload, settings, shards, (x_test, y_test), dp, benchmark,
+                                      threads)
 
-    speed = {"csprng": [], "shards": []}
-    torch.set_num_threads(threads)
-    if benchmark:
-        print("\nspeed, measured now (other processes on this machine affect both sides):",
-              flush=True)
-        speed["csprng"] = _csprng_speed(settings)
-        speed["shards"] = _shards_speed(shards["train"], shards["n_train"], settings.bench_passes)
-        print(_format_speed(speed["csprng"], speed["shards"]))
-    payload["speed"] = speed
-
-    figures = {
-        "reliability": _plot_reliability({m: {t: torch.cat(v) for t, v in d.items()}
-                                          for m, d in pooled.items()},
-                                         y_test, out / "reliability.png")
-        if len(settings.seeds) else None,
+    figures: dict[str, Path] = {}
+    if settings.seeds:
+        figures["reliability"] = _plot_reliability(
+            {m: {t: torch.cat(v) for t, v in d.items()} for m, d in pooled.items()}, y_test,
+            out / "reliability.png")
+    figures |= {
         "shift": _plot_shift(results, out / "shift.png"),
         "curves": _plot_curves(histories, settings.swa_start, stopped,
                                out / "learning_curves.png"),
@@ -211,6 +146,102 @@ def _run(out: Path, settings: DemoSettings, progress: bool, benchmark: bool, dp:
     print(f"demo finished in {payload['seconds']['total']:.1f} s")
     print(f"report: {report.resolve()}")
     return payload
+
+
+def _seed_runs(settings: DemoSettings, shards: dict[str, Any], batches: tuple[list, list, list],
+               train: tuple[torch.Tensor, torch.Tensor], y_test: torch.Tensor, out: Path,
+               progress: bool) -> tuple[dict, dict, dict, list[int]]:
+    """Train every seed's runs and evaluate every method; returns the per-seed metrics, the pooled
+    probabilities, the learning curves and the early-stopping epochs (1-based)."""
+    from ember.csprng import create_generator
+    from ember.swa import MultiSWAG, bayesian_average
+
+    all_batches, eval_batches, bn_batches = batches
+    x_train, y_train = train
+    n_test = len(y_test)
+    per_seed: dict[str, dict[str, list[dict]]] = {m: {t: [] for t in TEST_SETS} for m in METHODS}
+    pooled: dict[str, dict[str, list[torch.Tensor]]] = {m: {t: [] for t in TEST_SETS}
+                                                       for m in METHODS}
+    histories: dict[str, list[list[dict]]] = {"SGD, cosine LR": [], "SWA run": [],
+                                              "SGD, early-stopped run": []}
+    stopped: list[int] = []
+    swags: list = []
+    last_model: torch.nn.Module | None = None
+    for seed in settings.seeds:
+        print(f"seed {seed}: training SGD (cosine) and the SWA run, {settings.epochs} epochs "
+              "each, and early-stopped SGD ...", flush=True)
+        runs = _train_seed(seed, settings, shards["train"], eval_batches, bn_batches, out, progress)
+        sgd, swa = runs["sgd"], runs["swa"]
+        histories["SGD, cosine LR"].append(sgd.history)
+        histories["SWA run"].append(swa.history)
+        early = _early_stopped(seed, settings, x_train, y_train, eval_batches)
+        histories["SGD, early-stopped run"].append(early["history"])
+        stopped.append(early["epoch"] + 1)  # 1-based, as everywhere in the report
+        probs = {"SGD (cosine LR)": _probs(sgd.model, all_batches),
+                 "SGD (early-stopped)": _probs(early["model"], all_batches),
+                 "SGD (SWA run, final iterate)": _probs(swa.model, all_batches),
+                 "SWA": _probs(swa.swa.module, all_batches),
+                 "SWAG": bayesian_average(swa.model, swa.swag, [b[0] for b in all_batches],
+                                          settings.swag_samples, bn_loader=bn_batches,
+                                          scale=PROTOCOL["swag_scale"],
+                                          generator=_torch_generator(
+                                              create_generator(seed).fold_in(11)))}
+        for method, p in probs.items():
+            for test_set, q in _split(p, n_test).items():
+                per_seed[method][test_set].append(_metrics(q, y_test))
+                pooled[method][test_set].append(q)
+        swags.append(swa.swag)
+        last_model = swa.model
+    if last_model is None:
+        raise ValueError("the demo needs at least one seed")
+    print("MultiSWAG: pooling the seeds' SWAG posteriors ...", flush=True)
+    p_multi = bayesian_average(last_model, MultiSWAG(swags), [b[0] for b in all_batches],
+                               settings.swag_samples, bn_loader=bn_batches,
+                               scale=PROTOCOL["swag_scale"],
+                               generator=_torch_generator(create_generator(99).fold_in(11)))
+    for test_set, q in _split(p_multi, n_test).items():
+        per_seed["MultiSWAG"][test_set].append(_metrics(q, y_test))
+        pooled["MultiSWAG"][test_set].append(q)
+        # MultiSWAG's baseline at the same compute: the cosine-SGD seed models, outputs averaged
+        ens = torch.stack(pooled["SGD (cosine LR)"][test_set]).mean(0)
+        per_seed["SGD ensemble"][test_set].append(_metrics(ens, y_test))
+        pooled["SGD ensemble"][test_set].append(ens)
+    return per_seed, pooled, histories, stopped
+
+
+def _dp_and_speed(payload: dict[str, Any], settings: DemoSettings, shards: dict[str, Any],
+                  test: tuple[torch.Tensor, torch.Tensor], dp: bool, benchmark: bool,
+                  threads: int) -> tuple[dict[str, Any] | None, dict[str, list]]:
+    """The DP-SGD and speed sections: run them (where asked and possible), print them and record
+    them in ``payload``; returns the DP section (None when skipped) and the speed rows."""
+    x_test, y_test = test
+    dp_payload = None
+    if dp and importlib.util.find_spec("opacus") is not None:
+        print(f"\nDP-SGD with Opacus, {settings.dp_epochs} epochs, non-secure then secure mode ...",
+              flush=True)
+        t_dp = time.perf_counter()
+        dp_payload = _dp_section(shards["train"], (x_test, y_test), settings.dp_epochs)
+        payload["dp"] = dp_payload
+        payload["seconds_dp"] = time.perf_counter() - t_dp
+        for r in dp_payload["runs"]:
+            print(f"  secure_mode={r['secure_mode']!s:<5}  epsilon {r['epsilon']:.2f} (delta 1e-5)"
+                  f"  clean test accuracy {r['accuracy']:.3f}  {r['train_seconds']:.2f} s")
+        print(f"  secure mode took {dp_payload['secure_time_ratio']:.2f}x the time of non-secure "
+              f"mode ({dp_payload['how']})")
+    else:
+        payload["dp_skipped"] = "opacus is not installed" if dp else "disabled (--no-dp)"
+        print(f"\nDP-SGD section skipped: {payload['dp_skipped']}")
+
+    speed: dict[str, list] = {"csprng": [], "shards": []}
+    torch.set_num_threads(threads)
+    if benchmark:
+        print("\nspeed, measured now (other processes on this machine affect both sides):",
+              flush=True)
+        speed["csprng"] = _csprng_speed(settings)
+        speed["shards"] = _shards_speed(shards["train"], shards["n_train"], settings.bench_passes)
+        print(_format_speed(speed["csprng"], speed["shards"]))
+    payload["speed"] = speed
+    return dp_payload, speed
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -62,7 +62,7 @@ def ema_decay(step: int, decay: float = 0.9999, warmup: bool = True) -> float:
 def _named_state(model: nn.Module) -> dict[str, tuple[Tensor, bool]]:
     """Normalised name -> (tensor, is_parameter) for every parameter and buffer of ``model``."""
     out: dict[str, tuple[Tensor, bool]] = {}
-    items = [(n, p, True) for n, p in model.named_parameters()]
+    items: list[tuple[str, Tensor, bool]] = [(n, p, True) for n, p in model.named_parameters()]
     items += [(n, b, False) for n, b in model.named_buffers()]
     strip = unwrapped_names(model)
     for name, t, is_param in items:
@@ -320,6 +320,39 @@ class _Averager(nn.Module):
                 for src, value in saved:
                     src.copy_(value)
 
+    def _average_into(self, device: torch.device, dsts: list[Tensor], srcs: list[Tensor],
+                      weight: float | None) -> None:
+        """Fold ``srcs`` into ``dsts`` (one device and dtype): torch's protocol with
+        ``avg_fn``/``multi_avg_fn``, SWA's running mean when ``weight`` is None, else a lerp."""
+        if self.multi_avg_fn is not None:
+            self.multi_avg_fn(dsts, srcs, self.n_averaged.to(device))
+            return
+        if self.avg_fn is not None:
+            n = self.n_averaged.to(device)
+            for d, s in zip(dsts, srcs, strict=True):
+                d.copy_(self.avg_fn(d, s, n))
+            return
+        if weight is None:  # SWA: torch's two kernels, picked as torch picks them
+            n = self.n_averaged.to(device)
+            foreach = self.foreach
+            if foreach is None:
+                foreach = device.type in _get_foreach_kernels_supported_devices()
+            if foreach:
+                get_swa_multi_avg_fn()(dsts, srcs, n)
+            else:
+                swa_avg = get_swa_avg_fn()
+                for d, s in zip(dsts, srcs, strict=True):
+                    d.copy_(swa_avg(d, s, n))
+            return
+        foreach = self.foreach
+        if foreach is None:
+            foreach = device.type in ("cpu", "cuda", "xpu", "mps")
+        if foreach:
+            torch._foreach_lerp_(dsts, srcs, weight)
+        else:
+            for d, s in zip(dsts, srcs, strict=True):
+                d.lerp_(s, weight)
+
     @torch.no_grad()
     def update(self, model: nn.Module, step: int | None = None) -> None:
         """Fold the current weights of ``model`` into the average.
@@ -355,34 +388,7 @@ class _Averager(nn.Module):
             dsts.append(acc)
             srcs.append(src)
         for (device, _), (dsts, srcs) in groups.items():
-            if self.multi_avg_fn is not None:
-                self.multi_avg_fn(dsts, srcs, self.n_averaged.to(device))
-                continue
-            if self.avg_fn is not None:
-                n = self.n_averaged.to(device)
-                for d, s in zip(dsts, srcs, strict=True):
-                    d.copy_(self.avg_fn(d, s, n))
-                continue
-            if weight is None:  # SWA: torch's two kernels, picked as torch picks them
-                n = self.n_averaged.to(device)
-                foreach = self.foreach
-                if foreach is None:
-                    foreach = device.type in _get_foreach_kernels_supported_devices()
-                if foreach:
-                    get_swa_multi_avg_fn()(dsts, srcs, n)
-                else:
-                    swa_avg = get_swa_avg_fn()
-                    for d, s in zip(dsts, srcs, strict=True):
-                        d.copy_(swa_avg(d, s, n))
-                continue
-            foreach = self.foreach
-            if foreach is None:
-                foreach = device.type in ("cpu", "cuda", "xpu", "mps")
-            if foreach:
-                torch._foreach_lerp_(dsts, srcs, weight)
-            else:
-                for d, s in zip(dsts, srcs, strict=True):
-                    d.lerp_(s, weight)
+            self._average_into(device, dsts, srcs, weight)
         for name, master, dst in written:
             dst.copy_(master)
             self._masters[name] = (master, _stamp(dst))

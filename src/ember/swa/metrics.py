@@ -29,7 +29,7 @@ Binning = Literal["width", "mass"]
 _ROW_SUM_TOL = 1e-3
 
 
-def _check(probs: Any, labels: Any | None = None) -> tuple[Tensor, Tensor | None]:
+def _check_probs(probs: Any) -> Tensor:
     p = torch.as_tensor(probs)
     if p.ndim != 2 or p.shape[0] == 0:
         raise ValueError(f"probs must have shape (N, C) with N >= 1, got {tuple(p.shape)}")
@@ -47,8 +47,11 @@ def _check(probs: Any, labels: Any | None = None) -> tuple[Tensor, Tensor | None
             f"rows of probs must sum to 1 (within {_ROW_SUM_TOL}), but one is off by {worst:.3g}; "
             "pass probabilities, e.g. softmax(logits)"
         )
-    if labels is None:
-        return p, None
+    return p
+
+
+def _check(probs: Any, labels: Any) -> tuple[Tensor, Tensor]:
+    p = _check_probs(probs)
     y = torch.as_tensor(labels)
     if y.shape != (p.shape[0],):
         raise ValueError(f"labels must have shape ({p.shape[0]},), got {tuple(y.shape)}")
@@ -63,7 +66,7 @@ def _check(probs: Any, labels: Any | None = None) -> tuple[Tensor, Tensor | None
 def accuracy(probs: Any, labels: Any) -> float:
     """Fraction of rows whose most probable class is the label."""
     p, y = _check(probs, labels)
-    return (p.argmax(dim=1) == y).double().mean().item()
+    return torch.eq(p.argmax(dim=1), y).double().mean().item()
 
 
 def nll(probs: Any, labels: Any, eps: float = 1e-12) -> float:
@@ -82,7 +85,7 @@ def brier_score(probs: Any, labels: Any) -> float:
 
 def predictive_entropy(probs: Any) -> Tensor:
     """Entropy ``-sum_c p_c log p_c`` of each row, in nats (shape ``(N,)``)."""
-    p, _ = _check(probs)
+    p = _check_probs(probs)
     return -torch.special.xlogy(p, p).sum(dim=1)
 
 
@@ -115,7 +118,7 @@ def calibration_bins(
         raise ValueError(f"n_bins must be an integer >= 1, got {n_bins!r}")
     p, y = _check(probs, labels)
     conf, pred = p.max(dim=1)
-    correct = (pred == y).double()
+    correct = torch.eq(pred, y).double()
     if binning == "width":
         idx = (torch.ceil(conf * n_bins).long() - 1).clamp(0, n_bins - 1)
         groups = [torch.nonzero(idx == b).squeeze(1) for b in range(n_bins)]

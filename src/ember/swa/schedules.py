@@ -67,7 +67,7 @@ class CyclicSWALR(LRScheduler):
         self.lr_max, self.lr_min, self.cycle, self.shape = lr_max, lr_min, cycle, shape
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         lr = cyclic_lr(max(self.last_epoch, 0), lr_max=self.lr_max, lr_min=self.lr_min,
                        cycle=self.cycle, shape=self.shape)
         return [lr for _ in self.optimizer.param_groups]

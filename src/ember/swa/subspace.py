@@ -167,7 +167,7 @@ class Subspace:
     def _check_model(self, model: nn.Module) -> list[Tensor]:
         params = unwrapped_named_parameters(model)
         names = [n for n, _ in params]
-        if self.names is None:
+        if self.names is None or self.shapes is None:  # set together (checked in __init__)
             if sum(p.numel() for _, p in params) != self.num_parameters:
                 raise ValueError(
                     f"model has {sum(p.numel() for _, p in params)} parameters, the subspace "
@@ -272,9 +272,9 @@ def elliptical_slice_sampling(log_likelihood: LogLikelihood, initial: Tensor, n_
     """
     prior_scale = _check_positive("prior_scale", prior_scale)
     temperature = _check_positive("temperature", temperature)
-    for name, v, lo in (("n_samples", n_samples, 1), ("burn_in", burn_in, 0), ("thin", thin, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    for name, v, least in (("n_samples", n_samples, 1), ("burn_in", burn_in, 0), ("thin", thin, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
     if initial.dim() != 1:
         raise ValueError(f"initial must be a (K,) vector, got shape {tuple(initial.shape)}")
     dtype = initial.dtype if initial.is_floating_point() else torch.float64
@@ -379,7 +379,7 @@ def subspace_average(model: nn.Module, subspace: Subspace, coordinates: Tensor,
     try:
         for z in coordinates:
             subspace.load_into(model, subspace.reconstruct(z))
-            if needs_bn:
+            if needs_bn and bn_loader is not None:
                 update_bn(bn_loader, model, max_batches=bn_max_batches)
             model.eval()
             probs = torch.cat([

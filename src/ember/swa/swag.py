@@ -20,6 +20,33 @@ from ember.swa.bn import has_running_stats, update_bn
 __all__ = ["SWAG", "MultiSWAG", "bayesian_average"]
 
 
+
+def _select_params(params_all: list[tuple[str, Tensor]],
+                   params: Sequence[str] | Callable[[str, Tensor], bool] | None,
+                   ) -> list[tuple[str, Tensor]]:
+    """The (name, parameter) pairs ``params`` selects from ``params_all``, in model order."""
+    if params is None:
+        return params_all
+    if callable(params):
+        selected = [(n, p) for n, p in params_all if params(n, p)]
+        if not selected:
+            raise ValueError("the params predicate selected no parameter of the model")
+        return selected
+    if isinstance(params, str):
+        raise ValueError("params must be a sequence of names or a predicate, not one "
+                         f"string: pass [{params!r}]")
+    wanted = list(params)
+    by_name = dict(params_all)
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise ValueError(f"params names not among the model's parameters: {unknown[:5]}")
+    if len(set(wanted)) != len(wanted):
+        raise ValueError("params lists a parameter name more than once")
+    if not wanted:
+        raise ValueError("params is empty: select at least one parameter")
+    chosen = set(wanted)
+    return [(n, p) for n, p in params_all if n in chosen]
+
 class SWAG:
     """A SWAG posterior over the parameters of models shaped like ``model``.
 
@@ -63,34 +90,13 @@ class SWAG:
         if not params_all:
             raise ValueError("model has no parameters to build a SWAG posterior over")
         self.subset = params is not None
-        if params is None:
-            params_list = params_all
-        elif callable(params):
-            params_list = [(n, p) for n, p in params_all if params(n, p)]
-            if not params_list:
-                raise ValueError("the params predicate selected no parameter of the model")
-        else:
-            if isinstance(params, str):
-                raise ValueError("params must be a sequence of names or a predicate, not one "
-                                 f"string: pass [{params!r}]")
-            wanted = list(params)
-            by_name = dict(params_all)
-            unknown = [n for n in wanted if n not in by_name]
-            if unknown:
-                raise ValueError(f"params names not among the model's parameters: {unknown[:5]}")
-            if len(set(wanted)) != len(wanted):
-                raise ValueError("params lists a parameter name more than once")
-            if not wanted:
-                raise ValueError("params is empty: select at least one parameter")
-            chosen = set(wanted)
-            params_list = [(n, p) for n, p in params_all if n in chosen]
-        params = params_list
+        selected = _select_params(params_all, params)
         self.diagonal = diagonal
         if device is None:
-            device = params[0][1].device
-        self.names = [n for n, _ in params]
-        self.shapes = [tuple(p.shape) for _, p in params]
-        self.numels = [p.numel() for _, p in params]
+            device = selected[0][1].device
+        self.names = [n for n, _ in selected]
+        self.shapes = [tuple(p.shape) for _, p in selected]
+        self.numels = [p.numel() for _, p in selected]
         self.num_parameters = sum(self.numels)
         self.max_rank = max_rank
         self.var_clamp = var_clamp
@@ -405,7 +411,7 @@ def bayesian_average(
         for member in members:
             for _ in range(n_samples):
                 member.sample(scale, diag_only, generator, model=model)
-                if needs_bn:
+                if needs_bn and bn_loader is not None:
                     update_bn(bn_loader, model, forward=forward, device=device,
                               max_batches=bn_max_batches)
                 model.eval()

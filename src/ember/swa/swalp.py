@@ -149,12 +149,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             raise TypeError(f"accumulators must be a tuple of state names, got {accumulators!r}")
         self.accumulators = tuple(accumulators)
         self.generator = generator
-        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
 
     def __repr__(self) -> str:
@@ -174,7 +174,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             p.copy_(self.weight_quantizer(p, generator=self.generator))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Quantize gradients, take the inner step, then quantize accumulators and weights."""
         loss = None
         if closure is not None:

@@ -94,7 +94,7 @@ def average_bn_stats_(model: nn.Module, *, group: Any = None) -> nn.Module:
     from ember.swa.bn import _stat_modules
 
     for layer in _stat_modules(unwrap_compiled(model)):
-        stats = [layer.running_mean] + ([layer.running_var] if layer.running_var is not None else [])
+        stats = [t for t in (layer.running_mean, layer.running_var) if t is not None]
         flat = torch.cat([t.reshape(-1) for t in stats])
         dist.all_reduce(flat, group=group)
         flat.div_(size)

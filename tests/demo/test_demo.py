@@ -167,7 +167,7 @@ def test_report_renders_in_headless_chromium(demo_run, tmp_path):
 
 
 def test_reading_names_the_best_method_of_its_own_table(demo_run):
-    # issue 28: the report's reading is generated from the numbers; for every test set it names
+    # the report's reading is generated from the numbers; for every test set it names
     # the method with the best mean accuracy and the one with the lowest mean NLL of the table
     from ember.demo.reading import best_method
 
@@ -209,7 +209,7 @@ def test_early_stopping_baseline_and_multiswag_are_reported(demo_run):
     assert "early_stopping" in payload["protocol"]
 
 
-# -- the reading, on synthetic result tables (fast; issue 28 review) ---------------------------
+# -- the reading, on synthetic result tables (fast) ----------------------------------------
 
 def _cell(mean, std, n=3):
     per_seed = [mean] * n if std is None else [mean - std, mean, mean + std][:n]
