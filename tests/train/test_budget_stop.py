@@ -70,3 +70,18 @@ def test_a_budget_stopped_run_resumes_to_its_end_at_once(tmp_path):
 def test_a_bound_below_one_step_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"max_epsilon=.*below the epsilon of one step"):
         _fit(_epsilon_after(1) / 2)
+
+
+def test_continuing_a_run_whose_budget_is_reached_returns_at_once(tmp_path):
+    first = _fit(None, epochs=1, checkpoint_dir=tmp_path)  # 4 steps, no bound
+    bound = (_epsilon_after(4) + _epsilon_after(5)) / 2  # the next step would pass it
+    again = _fit(bound, epochs=3, checkpoint_dir=tmp_path, resume="auto")
+    assert again.steps == first.steps == 4 and again.stopped_early
+    tighter = _fit(_epsilon_after(2), epochs=3, checkpoint_dir=tmp_path, resume="auto")
+    assert tighter.steps == 4 and tighter.stopped_early  # already past it: nothing more
+
+
+def test_a_stop_inside_the_last_epoch_is_an_early_stop():
+    bound = (_epsilon_after(6) + _epsilon_after(7)) / 2
+    result = _fit(bound, epochs=2)  # 8 steps planned, 6 taken
+    assert result.steps == 6 and result.stopped_early

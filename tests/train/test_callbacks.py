@@ -98,3 +98,80 @@ def test_resuming_with_other_callbacks_is_refused(tmp_path):
                                             checkpoint=CheckpointConfig(dir=tmp_path,
                                                                         resume="auto")),
             callbacks=[Recorder()])
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.events = 0
+
+    def on_step_end(self, step: int, record: dict) -> None:
+        self.events += 1
+
+    def on_epoch_end(self, epoch: int, record: dict) -> None:
+        self.events += 1
+
+    def state_dict(self) -> dict:
+        return {"events": self.events}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.events = state["events"]
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("every", [None])  # a DataLoader resumes at epoch ends only
+def test_a_checkpoint_holds_the_callback_state_after_the_event_it_closes(tmp_path, every):
+    whole = Counter()
+    model, opt, loader = _setup()
+    fit(model, opt, loader, TrainConfig(3, log=LogConfig(progress=False)), callbacks=[whole])
+
+    def kill(step: int, record: dict) -> None:
+        if step == 6:
+            raise Killed
+
+    model, opt, loader = _setup()
+    with pytest.raises(Killed):
+        fit(model, opt, loader, TrainConfig(3, log=LogConfig(progress=False),
+                                            checkpoint=CheckpointConfig(dir=tmp_path,
+                                                                        every=every)),
+            callbacks=[Counter()], on_step=kill)
+    resumed = Counter()
+    model, opt, loader = _setup()
+    fit(model, opt, loader, TrainConfig(3, log=LogConfig(progress=False),
+                                        checkpoint=CheckpointConfig(dir=tmp_path, every=every,
+                                                                    resume="auto")),
+        callbacks=[resumed])
+    assert resumed.events == whole.events == 12 + 3
+
+
+def test_stop_training_from_one_callback_still_reaches_the_others():
+    class Stop:
+        def on_step_end(self, step: int, record: dict) -> None:
+            if step == 2:
+                raise StopTraining
+
+    rec = Recorder()
+    model, opt, loader = _setup()
+    fit(model, opt, loader, TrainConfig(2, log=LogConfig(progress=False)),
+        callbacks=[Stop(), rec])
+    assert ("step", 2, 2) in rec.calls and ("epoch", 0, 0) in rec.calls
+
+
+def test_a_stateless_callback_added_on_resume_is_fine(tmp_path):
+    model, opt, loader = _setup()
+    fit(model, opt, loader, TrainConfig(1, log=LogConfig(progress=False),
+                                        checkpoint=CheckpointConfig(dir=tmp_path)),
+        callbacks=[Recorder()])
+
+    class Quiet:
+        def on_step_end(self, step: int, record: dict) -> None:
+            pass
+
+    model, opt, loader = _setup()
+    result = fit(model, opt, loader, TrainConfig(2, log=LogConfig(progress=False),
+                                                 checkpoint=CheckpointConfig(dir=tmp_path,
+                                                                             resume="auto")),
+                 callbacks=[Quiet(), Recorder()], on_step=lambda s, r: None)
+    assert result.steps == 8

@@ -68,3 +68,30 @@ def test_an_unknown_flat_keyword_is_a_type_error():
         warnings.simplefilter("ignore")
         with pytest.raises(TypeError, match="noise_multiplier"):
             TrainConfig(noise_multiplier=1.0)
+
+
+def test_replace_and_flat_keywords_never_change_another_configs_groups():
+    import dataclasses
+
+    base = TrainConfig(epochs=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = [dataclasses.replace(base, accumulate=a) for a in (1, 2, 4)]
+        mine = SWAConfig(start=1, lr=0.1)
+        config = TrainConfig(4, swa=mine, swa_lr=0.2)
+    assert [m.step.accumulate for m in made] == [1, 2, 4] and base.step.accumulate == 1
+    assert mine.lr == 0.1 and config.swa.lr == 0.2
+
+
+def test_flat_switches_and_options_of_groups_that_are_off_behave_as_before():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = TrainConfig(4, ema_decay=0.9, swa_start=1, swa_lr=0.1, swag_rank=2)
+        config.ema_decay = None  # the old way to turn a group off
+        config.swag_rank = None
+        assert config.ema is None and config.swag is None
+        quiet = TrainConfig(ema_warmup=False, swa_anneal_epochs=2, bn_batches=3)
+    quiet.check()
+    assert quiet.ema is None and quiet.swa is None
+    assert (quiet.bn_batches, quiet.swa_anneal_epochs, quiet.ema_warmup) == (3, 2, "off")
+    config.check()

@@ -248,16 +248,21 @@ class TrainConfig:
         if not opt.group:
             object.__setattr__(self, opt.field, value)
             return
+        if _is_switch(opt) and value is None:  # the old way to turn a group off
+            object.__setattr__(self, opt.group, None)
+            return
         group = self.__dict__.get(opt.group)
         if group is None:
-            if not _turns_on(opt, value):  # an optional group left off: checked all the same
-                if value is not None:
-                    self.__dict__.setdefault("_off_group_values", []).append((opt, value))
+            if not _turns_on(opt, value):  # a group left off: its value kept and checked
+                off = self.__dict__.setdefault("_off_group_values", {})
+                off[opt.name] = (opt, value)
                 return
             group = _GROUPS[opt.group][0]()
-            if not _is_switch(opt) and opt.group in ("swag", "ema"):
-                setattr(group, "rank" if opt.group == "swag" else "decay", None)  # not given
-            object.__setattr__(self, opt.group, group)
+            if not _is_switch(opt) and opt.group == "swag":
+                group.rank = None  # not given: check() says so
+        else:  # copied first: another config (dataclasses.replace) or the caller may share it
+            group = dataclasses.replace(group)
+        object.__setattr__(self, opt.group, group)
         setattr(group, opt.field, value)
 
     def __getattr__(self, name: str) -> Any:
@@ -267,6 +272,9 @@ class TrainConfig:
             raise AttributeError(f"'TrainConfig' object has no attribute {name!r}")
         group = self.__dict__.get(opt.group) if opt.group else self
         if group is None:
+            off = self.__dict__.get("_off_group_values", {})
+            if name in off:
+                return off[name][1]
             return None if _is_switch(opt) or opt.default is None else opt.default
         return getattr(group, opt.field)
 
@@ -282,7 +290,7 @@ class TrainConfig:
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first invalid option."""
         check_fields(self)
-        for opt, value in self.__dict__.get("_off_group_values", ()):
+        for opt, value in self.__dict__.get("_off_group_values", {}).values():
             wrong = violation(opt, value)
             if wrong is not None:
                 raise ConfigError(f"{opt.name} {wrong}")
@@ -310,11 +318,15 @@ def _set_without(switch: str, group: Any, prefix: str, meaning: str) -> str:
            f"{switch} is None ({meaning})"
 
 
+# the flat options that turn their group on when set (to other than their default), as the checks
+# of the versions before the groups required their switch for them; the others only tune a group
+_TURN_ON = {"swa_start", "swa_lr", "swa_every_steps", "swa_schedule", "swa_cycle", "swa_lr_max",
+            "swag_rank", "swag_diagonal", "swag_params", "ema_decay"}
+
+
 def _turns_on(opt: Option, value: Any) -> bool:
-    """Whether setting a flat option of an optional group that is off turns the group on: its
-    switch (``swag_rank``, ``ema_decay``) when not None, any other option when not its default
-    (``bn_batches`` never: it only tunes the SWA phase)."""
-    if value is None or opt.name == "bn_batches":
+    """Whether setting a flat option of an optional group that is off turns the group on."""
+    if value is None or opt.name not in _TURN_ON:
         return False
     return _is_switch(opt) or value != opt.default
 

@@ -134,8 +134,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
     try:
         components, run, resume_from = _build(model, optimizer, train_loader, config, world,
                                               loss_fn, scheduler, eval_loader, bn_loader,
-                                              privacy, [*callbacks, FunctionCallback(on_step,
-                                                                                     on_epoch)])
+                                              privacy, list(callbacks), on_step, on_epoch)
         try:
             return _train(run, components, resume_from)
         finally:
@@ -147,7 +146,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
 def _build(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable,
            config: TrainConfig, world: World, loss_fn: Any, scheduler: LRScheduler | None,
            eval_loader: Iterable | None, bn_loader: Iterable | None,
-           privacy: PrivacyConfig | None, callbacks: list[Any]
+           privacy: PrivacyConfig | None, callbacks: list[Any], on_step: Any, on_epoch: Any
            ) -> tuple[list[Any], Run, Path | None]:
     """The run's components in the order their hooks are called, and its shared state."""
     from ember.csprng import create_generator, create_random_device_generator
@@ -175,8 +174,11 @@ def _build(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable,
                                  {"precision": config.step.precision, "world_size": world.size,
                                   "epochs": config.epochs, "accumulate": config.step.accumulate}),
                    ProgressBar(config.log.progress, config.epochs)]
+    # the user's callbacks before the checkpoint (their state in it includes the step or epoch it
+    # closes), fit's on_step/on_epoch after it (called once that checkpoint is written)
+    components.append(UserCallbacks(callbacks))
     checkpointing = Checkpointing(config.checkpoint.dir, config.checkpoint.every, components)
-    components += [checkpointing, UserCallbacks(callbacks)]
+    components += [checkpointing, UserCallbacks([FunctionCallback(on_step, on_epoch)])]
     return components, run, resume_from
 
 
@@ -195,7 +197,9 @@ def _train(run: Run, components: list[Any], resume_from: Path | None) -> TrainRe
         _epoch(run, components, stepping, epoch)
     call(components, "on_fit_end", run)
     result = _result(run, components)
-    next(c for c in components if isinstance(c, UserCallbacks)).fit_ended(result)
+    for c in components:
+        if isinstance(c, UserCallbacks):
+            c.fit_ended(result)
     return result
 
 
@@ -263,6 +267,6 @@ def _result(run: Run, components: list[Any]) -> TrainResult:
         epsilon=private.epsilon() if private is not None else None,
         noise_multiplier=private.noise_multiplier if private is not None else None,
         ema=averaging.ema, privacy=run.report.get("privacy"),
-        stopped_early=p.epoch < run.config.epochs, empty_steps=p.empty_steps)
+        stopped_early=run.stop or p.epoch < run.config.epochs, empty_steps=p.empty_steps)
 
 

@@ -28,16 +28,25 @@ class FunctionCallback:
 class UserCallbacks(Component):
     """Calls the user's callbacks by name, in order, after ember's own components."""
 
-    key = "callbacks"
-
     def __init__(self, callbacks: Sequence[Any]) -> None:
         self.callbacks = list(callbacks)
+        # only callbacks with a state are saved (a stateless one may come or go on resume)
+        self.key = "callbacks" if any(hasattr(cb, "state_dict") for cb in self.callbacks) else ""
 
     def _each(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on every callback; a StopTraining from one still lets the others see
+        the event, then ends the run."""
+        stop = False
         for cb in self.callbacks:
             method = getattr(cb, hook, None)
-            if method is not None:
+            if method is None:
+                continue
+            try:
                 method(*args)
+            except StopTraining:
+                stop = True
+        if stop:
+            raise StopTraining
 
     def on_fit_start(self, run: Run) -> None:
         self._each("on_fit_start")
@@ -57,14 +66,20 @@ class UserCallbacks(Component):
     def fit_ended(self, result: Any) -> None:
         self._each("on_fit_end", result)
 
+    def _stateful(self) -> list[Any]:
+        return [cb for cb in self.callbacks if hasattr(cb, "state_dict")]
+
     def state_dict(self) -> list[Any]:
-        return [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks]
+        """The states of the callbacks that have one, in order."""
+        return [cb.state_dict() for cb in self._stateful()]
 
     def load_state_dict(self, state: list[Any] | None) -> None:
-        state = state or [None] * len(self.callbacks)
-        if len(state) != len(self.callbacks):
+        mine = self._stateful()
+        state = state or []
+        if len(state) != len(mine):
             raise ConfigError(f"the checkpoint holds the states of {len(state)} callbacks, this "
-                              f"run has {len(self.callbacks)}: resume with the same callbacks")
-        for cb, s in zip(self.callbacks, state, strict=True):
-            if s is not None and hasattr(cb, "load_state_dict"):
+                              f"run has {len(mine)} with a state_dict: resume with the same "
+                              "callbacks")
+        for cb, s in zip(mine, state, strict=True):
+            if hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(s)

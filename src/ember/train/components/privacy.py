@@ -72,8 +72,11 @@ class Privacy(Component):
         if saved is not None and self.config.epsilon is not None:
             planned = self.epochs * self.private.steps_per_epoch
             spent = self._epsilon_after(planned)
+            if self.config.max_epsilon is not None:  # the budget stop ends it sooner
+                spent = min(spent, self.config.max_epsilon)
             if spent > self.config.epsilon * (1 + 1e-9):
                 warnings.warn(f"continuing the private run to {self.epochs} epochs spends "
+                              f"{'up to ' if self.config.max_epsilon is not None else ''}"
                               f"epsilon {spent:.4g} in all (delta {self.config.delta:g}), above "
                               f"the epsilon={self.config.epsilon:g} its noise was chosen for: the "
                               "accountant composes every step taken", UserWarning, stacklevel=2)
@@ -92,6 +95,9 @@ class Privacy(Component):
 
     def on_fit_start(self, run: Run) -> None:
         self.private.watch_buffers()  # after resuming: a training step must not change a buffer
+        if not self.private.stopped and self._exceeds_after(self.private.steps + 1):
+            if self.private.steps > 0:  # a resumed run whose next step would pass the bound
+                self.private.stopped = True
         if self.private.stopped:
             run.stop = True  # a budget-stopped run resumes to its end at once
             return
