@@ -127,3 +127,36 @@ def test_seed_help_does_not_claim_to_seed_the_dp_noise():
     text = " ".join(done.stdout.split())
     assert "DP-SGD noise is always keyed from the OS" in text
     assert "--ema-decay" in text and "--dp-max-epsilon" in text
+
+
+def test_skip_bad_on_evaluation_data_is_marked_and_leaves_no_file(tmp_path):
+    bad = _shard(tmp_path / "d" / "b.tar", [("good0", _png(8, 8), b"0"), ("junk1", b"nope", b"1"),
+                                            ("good2", _png(8, 8, 2), b"1")])
+    out = tmp_path / "run"
+    done = ember(*_args(bad, out, "--skip-bad", "--image-size", "8", "--eval-data", str(bad),
+                        "--swa-start", "0", "--swag-rank", "2", "--epochs", "2",
+                        "--swag-samples", "2"))
+    assert done.returncode == 0, done.stderr
+    assert not list(out.glob(".skipped-*"))
+    items = json.loads((out / "summary.json").read_text())["skipped_bad_items"]
+    assert {i["during"] for i in items} == {"training", "evaluation"}
+    assert all(i["key"] == "junk1" for i in items)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--accumulate", "2"], ["--accumulate", "--dp-max-physical-batch-size"]),
+    (["--checkpoint-every", "3"], ["--checkpoint-every", "epoch"]),
+    (["--precision", "bf16"], ["--precision", "fp32"]),
+    (["--dp-max-epsilon", "0.0001"], ["--dp-max-epsilon"]),
+])
+def test_dp_refusals_are_in_flag_terms(shard, tmp_path, extra, words):
+    line = one_error_line(ember(*_args(shard, tmp_path / "run", *DP, *extra)))
+    for w in words:
+        assert w in line
+    for python in ("privacy ", "PrivacyConfig", "_"):
+        assert python not in line.split("error: ", 1)[1].replace(str(tmp_path), ""), line
+
+
+def test_swag_samples_needs_swag_rank(shard, tmp_path):
+    line = one_error_line(ember(*_args(shard, tmp_path / "run", "--swag-samples", "5")))
+    assert "--swag-samples" in line and "--swag-rank" in line

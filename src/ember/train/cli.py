@@ -231,9 +231,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "noise key: owner-only, never publish it; needed to continue the run with "
                       "more --epochs); by default it is removed")
     run_.add_argument("--no-progress", action="store_true", help="no progress bars")
-    run_.add_argument("--swag-samples", type=int, default=20, metavar="S",
+    run_.add_argument("--swag-samples", type=int, default=None, metavar="S",
                       help="with --swag-rank: SWAG samples averaged to evaluate the posterior on "
-                      "--eval-data (default: %(default)s)")
+                      "--eval-data (default: 20)")
     p.set_defaults(func=_main)
 
 
@@ -278,7 +278,8 @@ def _in_flag_terms(message: str) -> str:
     flags = _flags()
     message = re.sub(r"TrainConfig\.|PrivacyConfig\.|\bprivacy (?=\w+ must)", "", message)
     names = "|".join(sorted(flags, key=len, reverse=True))
-    return re.sub(rf"(?<![\w-])({names})\b(=?)", lambda m: flag(m), message)
+    flagged = re.sub(rf"(?<![\w-])({names})\b(=?)", lambda m: flag(m), message)
+    return re.sub(r"\bprivacy (?=--)", "", flagged)
 
 
 def _one_line(text: str) -> str:
@@ -332,7 +333,9 @@ def _main(args: argparse.Namespace) -> int:
 
 def _notice(message: Warning | str, category: type[Warning], filename: str, lineno: int,
             file: Any = None, line: str | None = None) -> None:
-    """A warning as one line on stderr (no source line, no file name)."""
+    """A warning as one line on stderr (no source line, no file name), from rank 0 only."""
+    if not _is_main_rank():
+        return
     print(f"ember train: warning: {_in_flag_terms(_one_line(str(message)))}", file=sys.stderr,
           flush=True)
 
@@ -446,9 +449,28 @@ def _check_cli_options(args: argparse.Namespace) -> None:
     if args.keep_checkpoints and args.dp_epsilon is None:
         raise ConfigError("--keep-checkpoints is for DP-SGD runs (--dp-epsilon); other runs "
                           "always keep their checkpoints")
-    if args.swag_samples < 1:
+    if args.swag_samples is not None and args.swag_rank is None:
+        raise ConfigError("--swag-samples needs --swag-rank (the SWAG posterior it samples)")
+    if args.swag_samples is not None and args.swag_samples < 1:
         raise ConfigError(f"--swag-samples must be >= 1, got {args.swag_samples}")
+    _check_dp_combination(args)
     _check_swap(args)
+
+
+def _check_dp_combination(args: argparse.Namespace) -> None:
+    """What DP-SGD cannot honour, in the command's terms."""
+    if args.dp_epsilon is None:
+        return
+    if args.accumulate != 1:
+        raise ConfigError("--accumulate does not apply to DP-SGD: each Poisson-sampled batch is "
+                          "one step of the accountant (bound memory with "
+                          "--dp-max-physical-batch-size)")
+    if args.checkpoint_every is not None:
+        raise ConfigError("--checkpoint-every does not apply to DP-SGD: a private run is "
+                          "checkpointed at epoch ends only")
+    if args.precision != "fp32":
+        raise ConfigError(f"--precision {args.precision} does not apply to DP-SGD, which trains "
+                          "in fp32")
 
 
 def _check_swap(args: argparse.Namespace) -> None:
@@ -992,7 +1014,8 @@ def _build_model(args: argparse.Namespace, world: Any) -> nn.Module:
 
 
 def _skip_log(args: argparse.Namespace) -> Any:
-    """Under --skip-bad, where each skipped shard rest or sample is noted (rank 0's file)."""
+    """Under --skip-bad, where each skipped shard rest or sample is noted (one file in --out,
+    read into summary.json and removed at the end)."""
     from ember.train.data import SkipLog
 
     if not args.skip_bad:
@@ -1008,7 +1031,10 @@ def _loaders(args: argparse.Namespace, urls: list[str], world: Any, privacy: Any
     sampling) and the evaluation loader (None without --eval-data)."""
     from ember.train.data import image_class_loader
 
+    from ember.train.data import SkipLog
+
     skip = skips or False
+    skip_eval = SkipLog(skips.path, "evaluation") if skips is not None else False
     _fit_workers(args, urls, world)
     # torch says the same in several lines, once per DataLoader
     warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -1032,7 +1058,7 @@ def _loaders(args: argparse.Namespace, urls: list[str], world: Any, privacy: Any
     if args.eval_data:
         test = image_class_loader(args.eval_data, 256, shuffle=0, grayscale=args.grayscale,
                                   split_ranks=False, image_size=args.image_size,
-                                  skip_bad=skip, num_classes=args.num_classes)
+                                  skip_bad=skip_eval, num_classes=args.num_classes)
     return train, test
 
 
@@ -1148,9 +1174,10 @@ def _swag_summary(args: argparse.Namespace, result: Any, test: Any) -> dict[str,
         return out
     _, targets = predict(result.model, test)
     generator = torch.Generator().manual_seed(max(args.seed, 0))
-    probs = bayesian_average(copy.deepcopy(result.model), swag, test, args.swag_samples,
+    samples = args.swag_samples or 20
+    probs = bayesian_average(copy.deepcopy(result.model), swag, test, samples,
                              generator=generator, forward=lambda m, batch: m(batch[0]))
-    out.update({"samples": args.swag_samples, "eval_accuracy": accuracy(probs, targets),
+    out.update({"samples": samples, "eval_accuracy": accuracy(probs, targets),
                 "eval_nll": nll(probs, targets)})
     return out
 
@@ -1167,11 +1194,14 @@ def _write_outputs(args: argparse.Namespace, result: Any, names: list[str] | Non
         torch.save(result.swa.module.state_dict(), args.out / "swa.pt")
     if result.ema is not None:
         torch.save(result.ema.module.state_dict(), args.out / "ema.pt")
-    summary = _summary(args, result, names, streams, skips)
+    summary = _summary(args, result, names, streams)
     if result.swag is not None:
         summary["swag"] = _swag_summary(args, result, test)
     if test is not None and names is not None:
         summary["eval_accuracy_per_class"] = _per_class_accuracy(result.model, test, names)
+    if skips is not None:  # after every pass over the data
+        summary["skipped_bad_items"] = skips.read()
+        Path(skips.path).unlink(missing_ok=True)
     if swap_record is not None:
         summary["swap"] = swap_record
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -1182,7 +1212,7 @@ def _write_outputs(args: argparse.Namespace, result: Any, names: list[str] | Non
 
 
 def _summary(args: argparse.Namespace, result: Any, names: list[str] | None,
-             streams: list[str], skips: Any) -> dict[str, Any]:
+             streams: list[str]) -> dict[str, Any]:
     skipped = sum(r.get("data_errors", 0) for r in result.history)
     skipped_eval = result.history[-1].get("eval_data_errors", 0) if result.history else 0
     summary = {"steps": result.steps, "skipped_steps": result.skipped_steps,
@@ -1198,9 +1228,6 @@ def _summary(args: argparse.Namespace, result: Any, names: list[str] | None,
                "privacy": result.privacy,
                "image_size": list(args.image_size), "classes": names,
                "skipped_bad": skipped, "skipped_bad_eval": skipped_eval}
-    if skips is not None:
-        summary["skipped_bad_items"] = skips.read()
-        Path(skips.path).unlink(missing_ok=True)
     return summary
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -229,13 +230,18 @@ class SkipLog:
     one JSON line ``{"shard", "key", "offset", "cause"}`` appended to ``path`` (whole lines, so
     DataLoader worker processes can share the file)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
+    def __init__(self, path: str | os.PathLike, during: str = "training") -> None:
+        self.path, self.during = os.fspath(path), during
 
     def __call__(self, exc: Exception) -> bool:
-        record = {"shard": getattr(exc, "url", None), "key": getattr(exc, "key", None),
-                  "offset": getattr(exc, "offset", None),
-                  "cause": " ".join(str(exc).split())[:500]}
+        cause = " ".join(str(exc).split())
+        key = getattr(exc, "key", None)
+        if key is None:  # the stages name the sample in their message
+            named = re.search(r"sample '([^']*)'", cause)
+            key = named.group(1) if named else None
+        record = {"shard": getattr(exc, "url", None), "key": key,
+                  "offset": getattr(exc, "offset", None), "during": self.during,
+                  "cause": cause[:500]}
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, (json.dumps(record) + "\n").encode())
