@@ -435,11 +435,7 @@ def _check_cli_options(args: argparse.Namespace) -> None:
     if args.ray_address is not None and args.workers:
         raise ConfigError("--workers applies to local reading; with --ray-address the Ray "
                           "cluster's CPUs read the shards (drop --workers)")
-    if args.lr <= 0:
-        raise ConfigError(f"--lr must be > 0, got {args.lr}")
-    if args.momentum < 0 or args.weight_decay < 0:
-        raise ConfigError(f"--momentum and --weight-decay must be >= 0, got {args.momentum} and "
-                          f"{args.weight_decay}")
+    _check_optimizer_options(args)
     if args.dp_noise_multiplier is not None:
         raise ConfigError("--dp-noise-multiplier was removed (it was not differential privacy); "
                           "use --dp-epsilon E --dp-delta D --max-grad-norm C")
@@ -455,6 +451,14 @@ def _check_cli_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--swag-samples must be >= 1, got {args.swag_samples}")
     _check_dp_combination(args)
     _check_swap(args)
+
+
+def _check_optimizer_options(args: argparse.Namespace) -> None:
+    if args.lr <= 0:
+        raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    if args.momentum < 0 or args.weight_decay < 0:
+        raise ConfigError(f"--momentum and --weight-decay must be >= 0, got {args.momentum} and "
+                          f"{args.weight_decay}")
 
 
 def _check_dp_combination(args: argparse.Namespace) -> None:
@@ -1029,9 +1033,7 @@ def _loaders(args: argparse.Namespace, urls: list[str], world: Any, privacy: Any
              skips: Any) -> tuple[Any, Any]:
     """The training loader (shards streamed, Ray-read, or in memory for DP-SGD's Poisson
     sampling) and the evaluation loader (None without --eval-data)."""
-    from ember.train.data import image_class_loader
-
-    from ember.train.data import SkipLog
+    from ember.train.data import SkipLog, image_class_loader
 
     skip = skips or False
     skip_eval = SkipLog(skips.path, "evaluation") if skips is not None else False

@@ -95,9 +95,9 @@ class Privacy(Component):
 
     def on_fit_start(self, run: Run) -> None:
         self.private.watch_buffers()  # after resuming: a training step must not change a buffer
-        if not self.private.stopped and self._exceeds_after(self.private.steps + 1):
-            if self.private.steps > 0:  # a resumed run whose next step would pass the bound
-                self.private.stopped = True
+        # a resumed run whose next step would pass the bound has nothing left to do
+        if self.private.steps > 0 and self._exceeds_after(self.private.steps + 1):
+            self.private.stopped = True
         if self.private.stopped:
             run.stop = True  # a budget-stopped run resumes to its end at once
             return
