@@ -1,6 +1,6 @@
 """Pre-specified experiment: does an EMA of DP-SGD's iterates help, at the same epsilon?
 
-The protocol is fixed in docs/train.md ("Averaging private iterates"): digits, MLP 64-128-10,
+The protocol is fixed in docs/experiments/train.md ("Averaging private iterates"): digits, MLP 64-128-10,
 epsilon 2.0, delta 1e-5, C = 1.0, batch 64, 30 epochs; constant vs cosine-annealed lr, final
 iterate vs EMA (decay 0.99); seeds 0, 1, 2. Prints a table and writes JSON. ``--quick`` (2 epochs,
 1 seed) only checks that it runs.
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{runs[0]['noise_multiplier']:.3f}, {runs[0]['steps']} steps; "
           f"{time.perf_counter() - t0:.0f} s")
     result = {"quick": args.quick, "torch": torch.__version__, "runs": runs, "summary": summary,
-              "protocol": "docs/train.md, Averaging private iterates"}
+              "protocol": "docs/experiments/train.md, Averaging private iterates"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     return result

@@ -329,7 +329,7 @@ def test_protocol_block_shows_the_sizes_of_the_run():
 
 def test_cosine_baseline_starts_at_the_tuned_rate_and_the_averaging_runs_at_theirs(monkeypatch):
     """The cosine-SGD baseline runs at PROTOCOL["baseline_lr"] (tuned by bench/demo_tuning.py on a
-    held-out split, docs/train.md), the SWA run at the methods' own PROTOCOL["lr"]."""
+    held-out split, docs/experiments/train.md), the SWA run at the methods' own PROTOCOL["lr"]."""
     import ember.train
     from ember.demo import protocol
 

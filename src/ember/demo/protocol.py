@@ -31,7 +31,7 @@ METHODS = SINGLE_METHODS + POOLED_METHODS
 BASELINES = ("SGD (cosine LR)", "SGD (early-stopped)")  # the strongest simple baselines
 AVERAGING = ("SWA", "SWAG")  # the weight-averaging methods a winning baseline is compared with
 
-# The experiment, fixed in advance (docs/train.md states the same). Sizes that --quick reduces are
+# The experiment, fixed in advance (docs/experiments/train.md states the same). Sizes that --quick reduces are
 # in DemoSettings; everything else is here.
 PROTOCOL: dict[str, Any] = {
     "data": "scikit-learn digits (1797 8x8 images, 10 classes), 70/30 stratified split (seed 0)",
