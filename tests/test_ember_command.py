@@ -1,4 +1,4 @@
-"""The top of the ``ember`` command (issue 26): ``--version``, and ``ember bench`` saying what it
+"""The top of the ``ember`` command: ``--version``, and ``ember bench`` saying what it
 measures before its silent half minute."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def test_refuses_what_it_cannot_run_naming_it(tmp_path):
     (lambda ds: RayShardLoader(ds).set_epoch(1.5), TypeError, "epoch"),
 ])
 def test_counts_are_checked_naming_the_argument(tmp_path, call, error, name):
-    # found by the audit of issue 26: these took int(2.5) == 2 silently
+    # these once took int(2.5) == 2 silently
     with pytest.raises(error, match=rf"\b{name}\b"):
         call(ShardDataset(str(tmp_path / "x.tar")))
 
