@@ -665,23 +665,35 @@ def _normal_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     # torch's own nn.init.sparse_ (held by code that bound it before ember was imported) draws
     # its values with this call and its zero pattern from the global Mersenne Twister next:
     # refuse it here, before anything is drawn
-    frame = sys._getframe(1)
-    for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
-        if frame is None:
-            break
-        if frame.f_code in _EARLY_BOUND_CODES:
-            raise TypeError(
+    if _called_from_early_bound_code():
+        raise TypeError(
                 "torch.nn.init.sparse_ bound before `import ember.csprng` (e.g. `from "
                 "torch.nn.init import sparse_`) draws its zero pattern from torch's global "
                 "Mersenne Twister, not from the ember generator; import ember.csprng first or "
                 "call torch.nn.init.sparse_ through the module")
-        frame = frame.f_back
     return _normal_impl(self, *args, **kwargs)
+
+
+def _called_from_early_bound_code() -> bool:
+    """Whether one of the few frames above is running a code object in ``_EARLY_BOUND_CODES``.
+
+    Compared by identity, never hashed: under torch.compile the frames above run code that dynamo
+    generated, whose constants can include a dict, and hashing such a code object raises.
+    """
+    frame = sys._getframe(2)
+    for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
+        if frame is None:
+            return False
+        code = getattr(frame, "f_code", None)
+        if any(code is c for c in _EARLY_BOUND_CODES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 _normal_impl = _scalar_method("normal_", ("mean", "std"), (0.0, 1.0))
 # code objects of torch functions that are unsafe with an ember generator when called directly
-_EARLY_BOUND_CODES: set[Any] = set()
+_EARLY_BOUND_CODES: list[Any] = []
 
 
 def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
