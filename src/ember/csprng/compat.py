@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from . import spec
 from .stream import renew_lock_after_fork
 from .views import array_view
 
@@ -304,14 +305,24 @@ class MT19937Sampler:
         out.view(-1).copy_(torch.tensor(perm, dtype=torch.int64))
 
     # ------------------------------------------------------------------ not in torchcsprng
-    def bernoulli_(self, out: torch.Tensor, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(_missing("bernoulli_"))
-
     def multinomial(self, *args: object, **kwargs: object) -> torch.Tensor:
         raise NotImplementedError(_missing("multinomial"))
 
     def poisson(self, *args: object, **kwargs: object) -> torch.Tensor:
         raise NotImplementedError(_missing("poisson"))
+
+
+def _refusal(op: str) -> Callable[..., None]:
+    def missing(self: MT19937Sampler, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(_missing(op))
+
+    missing.__name__ = op
+    return missing
+
+
+for _d in spec.DISTRIBUTIONS:  # the distributions torchcsprng did not have (bernoulli_)
+    if not _d.compat:
+        setattr(MT19937Sampler, _d.method, _refusal(_d.method))
 
 
 def _missing(op: str) -> str:

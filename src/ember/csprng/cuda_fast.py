@@ -20,12 +20,11 @@ from typing import Any
 import torch
 
 from . import nvrtc_kernels as nk
+from . import spec
 from .distributions import NativeSampler, blocks_for, default_range
 from .stream import BlockStream, derive_key
 
-FAST_METHODS = frozenset(
-    ("uniform_", "normal_", "log_normal_", "exponential_", "random_", "random_range_", "bernoulli_")
-)
+FAST_METHODS = frozenset(d.method for d in spec.DISTRIBUTIONS if d.nvrtc)
 MAX_UNITS = 1 << 40  # larger fills are split by nobody: they take another path
 _KIND = {
     torch.float32: nk.K_F32, torch.float64: nk.K_F64, torch.float16: nk.K_F16, torch.bfloat16: nk.K_BF16,
@@ -71,9 +70,7 @@ def _keyed(cipher: str, key: bytes) -> nk.Params:
     return p
 
 
-_OPS = {"uniform_": ("uniform",), "normal_": ("normal",), "log_normal_": ("normal",),
-        "exponential_": ("exponential",), "random_": ("integer", "refill"),
-        "random_range_": ("integer", "refill"), "bernoulli_": ("bernoulli",)}
+_OPS = {d.method: d.nvrtc for d in spec.DISTRIBUTIONS if d.nvrtc}
 
 
 @lru_cache(maxsize=64)

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from . import pages
+from . import pages, spec
 from .generator import Generator
 from .pages import advise_fresh
+from .spec import InvalidArgument, UnsupportedDtype, UnsupportedLayout
 from .stream import CounterExhausted
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -35,20 +36,6 @@ def register_device_backend(device_type: str, fill: Callable[..., bool]) -> None
     _DEVICE_BACKENDS[device_type] = fill
 
 
-class InvalidArgument(RuntimeError, ValueError):
-    """A bad argument to a random function: torch raises RuntimeError for it (also a ValueError)."""
-
-
-class UnsupportedDtype(NotImplementedError, TypeError):
-    """A dtype the distribution does not support: torch raises NotImplementedError (also a
-    TypeError)."""
-
-
-class UnsupportedLayout(NotImplementedError, TypeError):
-    """A tensor layout the draws do not fill (sparse, ...): torch raises NotImplementedError (also
-    a TypeError)."""
-
-
 def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """``impl(*args, **kwargs)``, with ember's ValueErrors raised as torch raises them."""
     try:
@@ -57,78 +44,6 @@ def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         if isinstance(e, (RuntimeError, CounterExhausted)):
             raise
         raise InvalidArgument(str(e)) from e
-
-
-_FLOAT_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_")
-
-
-_UINTS = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
-# methods torch refuses for complex tensors, and the error type it raises
-_REAL_ONLY = {"bernoulli_": "UnsupportedDtype", "geometric_": "UnsupportedDtype",
-              "log_normal_": "UnsupportedDtype", "exponential_": "InvalidArgument",
-              "cauchy_": "InvalidArgument"}
-
-
-_RANDPERM_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                   torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
-    if str(t.dtype).startswith(("torch.float8", "torch.float4")):
-        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
-    if method == "randperm_" and t.dtype not in _RANDPERM_DTYPES:
-        raise UnsupportedDtype(f"randperm: not implemented for {t.dtype} (torch raises too)")
-    if method in _FLOAT_METHODS and not (t.is_floating_point() or t.is_complex()):
-        if method in ("exponential_", "cauchy_"):  # torch raises RuntimeError for these two
-            raise InvalidArgument(f"{method}: the distribution is continuous; the dtype must be "
-                                  f"floating-point, got {t.dtype}")
-        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
-    if method == "geometric_" and params and _is_number(params[0]) and not (
-            0.0 < float(params[0]) < 1.0):
-        raise InvalidArgument(f"geometric_ expects p to be in (0, 1), but got p={params[0]}")
-    if method in ("random_", "bernoulli_", "geometric_") and t.dtype in _UINTS:
-        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
-    if method in _REAL_ONLY and t.is_complex():
-        error = UnsupportedDtype if _REAL_ONLY[method] == "UnsupportedDtype" else InvalidArgument
-        raise error(f"{method}: not implemented for complex dtype {t.dtype} (torch raises too)")
-    if method in ("random_", "random_range_") and t.is_complex():
-        if method == "random_":
-            raise UnsupportedDtype(f"random_: not implemented for {t.dtype}")
-        raise InvalidArgument("random_ with bounds handles only integral, floating-point and "
-                              f"boolean types, got {t.dtype}")
-    if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor) and not (
-            params[0].is_floating_point() or params[0].is_complex()):
-        raise UnsupportedDtype(f"bernoulli_: not implemented for p of dtype {params[0].dtype} "
-                               "(torch raises too)")
-    if method == "uniform_" and t.is_floating_point() and len(params) == 2:
-        _check_uniform_bounds(t.dtype, *params)
-    if method in ("normal_", "log_normal_") and len(params) == 2 and _isnan(params[1]):
-        raise InvalidArgument(f"{method} expects std >= 0.0, but found std nan")
-
-
-def _check_uniform_bounds(dtype: torch.dtype, low: Any, high: Any) -> None:
-    """torch's checks of uniform_'s bounds: each within the dtype's finite range, and the width
-    too (else the values would be inf)."""
-    try:
-        low, high = float(low), float(high)
-    except (TypeError, ValueError):
-        return  # the sampler refuses it with the argument named
-    info = torch.finfo(dtype)
-    for name, v in (("from", low), ("to", high)):
-        if v < info.min or v > info.max:
-            raise InvalidArgument(f"uniform_: {name} is out of bounds for {dtype}, got {name}={v} "
-                                  f"(finite range {info.min}..{info.max})")
-    if high - low > info.max:
-        raise InvalidArgument(f"uniform_ expects to-from <= {info.max} (the largest {dtype}), but "
-                              f"found to={high} and from={low}, which exceed it")
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _isnan(x: Any) -> bool:
-    return isinstance(x, float) and x != x
 
 
 def _ember(generator: Any) -> bool:
@@ -156,7 +71,7 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     if not fresh and t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation.")
-    _check_dtype(t, method, params)
+    spec.check(method, t.dtype, params)
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
     sampler = generator.sampler()
@@ -691,7 +606,8 @@ def _called_from_early_bound_code() -> bool:
     return False
 
 
-_normal_impl = _scalar_method("normal_", ("mean", "std"), (0.0, 1.0))
+_normal_impl = _scalar_method("normal_", spec.by_method("normal_").names,
+                              spec.by_method("normal_").defaults)
 # code objects of torch functions that are unsafe with an ember generator when called directly
 _EARLY_BOUND_CODES: list[Any] = []
 
@@ -738,18 +654,13 @@ _TORCH = {
     "_sample_dirichlet": _unsupported("torch._sample_dirichlet"),
     "rrelu": _unsupported("torch.rrelu"), "rrelu_": _unsupported("torch.rrelu_"),
 }
+_SPECIAL_METHODS = {"normal_": _normal_, "random_": _random_, "bernoulli_": _bernoulli_}
 _TENSOR = {
-    "uniform_": _scalar_method("uniform_", ("from", "to"), (0.0, 1.0)),
-    "normal_": _normal_,
-    "log_normal_": _scalar_method("log_normal_", ("mean", "std"), (1.0, 2.0)),
-    "exponential_": _scalar_method("exponential_", ("lambd",), (1.0,)),
-    "cauchy_": _scalar_method("cauchy_", ("median", "sigma"), (0.0, 1.0)),
-    "geometric_": _scalar_method("geometric_", ("p",), (None,)),
-    "random_": _random_,
-    "bernoulli_": _bernoulli_,
-    "bernoulli": _tensor_bernoulli,
-    "multinomial": _multinomial,
+    d.tensor_method: _SPECIAL_METHODS.get(d.tensor_method)
+    or _scalar_method(d.method, d.names, d.defaults)
+    for d in spec.DISTRIBUTIONS if d.tensor_method is not None
 }
+_TENSOR.update(bernoulli=_tensor_bernoulli, multinomial=_multinomial)
 
 
 def _wraps(original: Callable[..., Any]):
