@@ -385,22 +385,39 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
         g._sampler.normal_(t, float(mean), float(std))
         return t
     if len(args) >= 3 or "size" in kwargs:
-        mean, std = (list(args[:2]) + [kwargs.pop("mean", 0.0), kwargs.pop("std", 1.0)])[:2] \
-            if len(args) >= 2 else (kwargs.pop("mean", args[0] if args else 0.0),
-                                    kwargs.pop("std", 1.0))
-        size = args[2] if len(args) >= 3 else kwargs.pop("size")
-        if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
-            raise TypeError("normal(mean, std, size) takes float mean and std")
-        if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
-            kwargs["device"] = "cpu"
-        t, rg, fresh = _new(_size((size,), {}), kwargs, op="torch.normal")
-        return _finish(fill_(t, g, "normal_", float(mean), float(std), fresh=fresh), rg)
+        return _normal_sized(g, args, kwargs)
     mean, std = _pick(args, {k: kwargs.pop(k) for k in ("mean", "std") if k in kwargs},
                       ("mean", "std"), (0.0, 1.0))
     out = kwargs.pop("out", None)
     kwargs.pop("generator", None)
     if kwargs:  # factory keywords (dtype=, device=, ...) belong to the float-float-size overload
         raise TypeError(f"normal(): unexpected keyword arguments {sorted(kwargs)}")
+    return _normal_tensors(g, mean, std, out)
+
+
+def _normal_sized(g: Generator, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``torch.normal(mean, std, size, ...)`` with number mean and std: a factory."""
+    if len(args) >= 2:
+        mean, std = (list(args[:2]) + [kwargs.pop("mean", 0.0), kwargs.pop("std", 1.0)])[:2]
+    else:
+        mean, std = kwargs.pop("mean", args[0] if args else 0.0), kwargs.pop("std", 1.0)
+    size = args[2] if len(args) >= 3 else kwargs.pop("size")
+    if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+        raise TypeError("normal(mean, std, size) takes float mean and std")
+    if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
+        kwargs["device"] = "cpu"
+    t, rg, fresh = _new(_size((size,), {}), kwargs, op="torch.normal")
+    return _finish(fill_(t, g, "normal_", float(mean), float(std), fresh=fresh), rg)
+
+
+def _wants_grad(*xs: Any) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                           for x in xs)
+
+
+def _check_normal_tensors(mean: Any, std: Any, out: torch.Tensor | None) -> torch.Tensor:
+    """torch's checks of normal's tensor overloads; returns the tensor whose dtype and device
+    the draw takes (mean, else std)."""
     mt, st = isinstance(mean, torch.Tensor), isinstance(std, torch.Tensor)
     if not (mt or st):
         raise TypeError("normal(mean, std) with float mean and std needs a size")
@@ -416,20 +433,25 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     if out is not None:
         if not (out.is_floating_point() or out.is_complex()):
             raise UnsupportedDtype(f"normal: not implemented for out= of dtype {out.dtype}")
-        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                           for x in (mean, std)):
+        if _wants_grad(mean, std):
             raise RuntimeError("normal(): functions with out=... arguments don't support "
                                "automatic differentiation, but one of the arguments requires "
                                "grad.")
-    shape = torch.broadcast_shapes(mean.shape if mt else (), std.shape if st else ())
+    return ref
+
+
+def _normal_tensors(g: Generator, mean: Any, std: Any, out: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """``torch.normal`` with a tensor mean or std (or both)."""
+    ref = _check_normal_tensors(mean, std, out)
+    shape = torch.broadcast_shapes(*(x.shape for x in (mean, std) if isinstance(x, torch.Tensor)))
     # torch draws into the output (out=, else a tensor of mean's dtype, or std's for a float
     # mean) and scales and shifts it in place: the output keeps that dtype
     dtype = out.dtype if out is not None else ref.dtype
     _refuse_capture("torch.normal", mean, std, out)  # a CPU draw copied into a CUDA out= is refused too
     # the tensor overloads draw standard normals, then scale and shift them
     z = fill_(torch.empty(shape, dtype=dtype, device=ref.device), g, "normal_", 0.0, 1.0)
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                       for x in (mean, std)):
+    if _wants_grad(mean, std):
         res = _ScaleShift.apply(z, std, mean)  # torch defines zero gradients for mean and std
     else:
         res = z * std + mean
