@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import patch
 from .generator import Generator
 
 
@@ -46,7 +47,8 @@ def _has_random_datapipe(dataset: Any) -> bool:
     from torch.utils.data import graph, graph_settings
 
     pipes = graph_settings.get_all_graph_pipes(graph.traverse_dps(dataset))
-    return any(graph_settings._is_random_datapipe(p) for p in pipes)
+    is_random = patch.get("torch.utils.data.graph_settings._is_random_datapipe")
+    return any(is_random(p) for p in pipes)
 
 
 def _refuse_datapipe_seeding(original_init: Any) -> Any:
@@ -78,9 +80,7 @@ def install(originals: dict) -> None:
     init.sparse_ = sparse_
     if hasattr(init, "sparse"):  # the deprecated alias calls the function it was made from
         originals[(init, "sparse")] = init.sparse
-        init.sparse = init._make_deprecate(sparse_)
-    from torch.utils.data import dataloader
-
-    cls = dataloader._BaseDataLoaderIter
+        init.sparse = patch.get("torch.nn.init._make_deprecate")(sparse_)
+    cls = patch.get("torch.utils.data.dataloader._BaseDataLoaderIter")
     originals[(cls, "__init__")] = cls.__init__
     cls.__init__ = _refuse_datapipe_seeding(cls.__init__)

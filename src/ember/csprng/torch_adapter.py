@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import pages, spec
+from . import pages, patch, spec
 from .generator import Generator
 from .pages import advise_fresh
 from .spec import InvalidArgument, UnsupportedDtype, UnsupportedLayout
@@ -728,13 +728,11 @@ def install() -> None:
     """Route torch's random functions to ember for ember generators (idempotent)."""
     if _ORIGINALS:
         return
+    patch.check()  # fail closed on a torch without the private names the routing needs
     # torch.device(...) as a context manager (and set_default_device) puts the factories that
     # it finds in this set on its device; it is built from torch.rand & co. on first use, so
     # build it now, from torch's own functions, and add the wrappers below
-    from torch.utils import _device
-
-    known = getattr(_device, "_device_constructors", None)
-    base = known() if known is not None else None
+    base = patch.get("torch.utils._device._device_constructors")()
     for name, impl in _TORCH.items():
         original = getattr(torch, name, None)
         if original is None:
@@ -873,9 +871,8 @@ def _eager(impl: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     generator is a placeholder: ask for a graph break so that the call runs eagerly instead.
     """
     if type(kwargs.get("generator")) is _FakeScriptObject:
-        from torch._dynamo.exc import Unsupported
-
-        raise Unsupported("ember.csprng draws run eagerly (graph break)")
+        unsupported = patch.get("torch._dynamo.exc.Unsupported")
+        raise unsupported("ember.csprng draws run eagerly (graph break)")
     return impl(*args, **kwargs)
 
 
@@ -884,11 +881,8 @@ _DEVICE_WRAPPERS: set[Any] = set()
 
 def uninstall() -> None:
     """Restore torch's original functions."""
-    from torch.utils import _device
-
-    known = getattr(_device, "_device_constructors", None)
-    if known is not None and _DEVICE_WRAPPERS:
-        known().difference_update(_DEVICE_WRAPPERS)
+    if _DEVICE_WRAPPERS:
+        patch.get("torch.utils._device._device_constructors")().difference_update(_DEVICE_WRAPPERS)
         _DEVICE_WRAPPERS.clear()
     for (owner, name), original in _ORIGINALS.items():
         if original is _INHERITED:
