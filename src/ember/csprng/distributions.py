@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import shuffle, small, transforms
+from . import shuffle, small, spec, transforms
 from .ciphers import BLOCK_BYTES
 from .stream import BlockStream, Draw
 from .views import array_view, flat_view
@@ -34,6 +34,12 @@ _WORD64 = (torch.int64, getattr(torch, "uint64", torch.int64))  # written as raw
 # torch fills these only with ranged integers (randint, random_(from, to))
 _UINT_DTYPES = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
 _MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+# values past a dtype's range become inf, as torch's kernels make them, without NumPy's warning;
+# entered only where a value can overflow (helper threads do not inherit the caller's state)
+def _overflow_to_inf() -> np.errstate:
+    return np.errstate(over="ignore")
 
 
 def blocks_for(nbytes: int) -> int:
@@ -218,6 +224,10 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
             return i
 
     def run(helper: bool) -> None:
+        with _overflow_to_inf():
+            work(helper)
+
+    def work(helper: bool) -> None:
         buf = _words(step * words_per_item, word_dtype) if into is None else None
         while not errors:
             i = claim(helper)
@@ -358,16 +368,19 @@ class NativeSampler:
         if out.dtype not in FLOAT_DTYPES:
             _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
-        if not std >= 0.0:
-            raise ValueError(f"normal_: expected std >= 0, got {std}")
-        self._normal(out, mean, std, log=False)
+        spec.check_params("normal_", (mean, std))
+        if mean == 0.0 and std == 1.0:  # no value can overflow
+            self._normal(out, mean, std, log=False)
+            return
+        with _overflow_to_inf():
+            self._normal(out, mean, std, log=False)
 
     def log_normal_(self, out: torch.Tensor, mean: float = 1.0, std: float = 2.0) -> None:
         _check_dtype("log_normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
-        if not std > 0.0:
-            raise ValueError(f"log_normal_: expected std > 0, got {std}")
-        self._normal(out, mean, std, log=True)
+        spec.check_params("log_normal_", (mean, std))
+        with _overflow_to_inf():
+            self._normal(out, mean, std, log=True)
 
     def normal_foreach_(self, outs: list[torch.Tensor], mean: float = 0.0, std: float = 1.0) -> None:
         """``normal_(out, mean, std)`` for each contiguous CPU tensor of ``outs`` in order (the same
@@ -376,8 +389,7 @@ class NativeSampler:
         for out in outs:
             _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
-        if not std >= 0.0:
-            raise ValueError(f"normal_: expected std >= 0, got {std}")
+        spec.check_params("normal_", (mean, std))
         sizes = []
         for out in outs:
             word = _compute(out.dtype)[0]
@@ -489,8 +501,7 @@ class NativeSampler:
 
     def exponential_(self, out: torch.Tensor, lambd: float = 1.0) -> None:
         lambd = float(lambd)
-        if not lambd > 0.0:
-            raise ValueError(f"exponential_: expected lambd > 0, got {lambd}")
+        spec.check_params("exponential_", (lambd,))
 
         def tf(u: np.ndarray, cd: type) -> None:  # -log(u) / lambd, u in (0, 1]
             np.log(u, out=u)
@@ -498,12 +509,12 @@ class NativeSampler:
             np.minimum(u, cd(-np.finfo(cd).eps / 2), out=u)
             np.multiply(u, cd(-1.0 / lambd), out=u)
 
-        self._unit_open(out, "exponential_", 1.0, tf)
+        with _overflow_to_inf():
+            self._unit_open(out, "exponential_", 1.0, tf)
 
     def cauchy_(self, out: torch.Tensor, median: float = 0.0, sigma: float = 1.0) -> None:
         median, sigma = float(median), float(sigma)
-        if not sigma > 0.0:
-            raise ValueError(f"cauchy_: expected sigma > 0, got {sigma}")
+        spec.check_params("cauchy_", (median, sigma))
 
         def tf(u: np.ndarray, cd: type) -> None:  # median + sigma * tan(pi * (u - 1/2)), u in (0, 1)
             np.subtract(u, cd(0.5), out=u)
@@ -512,7 +523,8 @@ class NativeSampler:
             np.multiply(u, cd(sigma), out=u)
             np.add(u, cd(median), out=u)
 
-        self._unit_open(out, "cauchy_", 0.5, tf)
+        with _overflow_to_inf():
+            self._unit_open(out, "cauchy_", 0.5, tf)
 
     def geometric_(self, out: torch.Tensor, p: float) -> None:
         _check_dtype("geometric_", out.dtype, FLOAT_DTYPES + _INT_DTYPES)
@@ -741,7 +753,11 @@ class NativeSampler:
         pn = flat_view(p).reshape(rows, k)
         if not np.isfinite(pn).all() or (pn < 0).any():
             raise ValueError("multinomial: probabilities must be finite and non-negative")
-        sums = pn.sum(axis=1)
+        with _overflow_to_inf():
+            sums = pn.sum(axis=1)
+        if not np.isfinite(sums).all():  # weights summing past float64: the same weights scaled
+            pn = pn / pn.max(axis=1, keepdims=True)
+            sums = pn.sum(axis=1)
         if (sums <= 0).any():
             raise ValueError("multinomial: every row must have a positive sum")
         if not replacement and num_samples > k:
@@ -765,7 +781,7 @@ class NativeSampler:
             np.add(u, 1.0, out=u)
             np.multiply(u, 2.0**-53, out=u)
             keys = -np.log(u).reshape(rows, k)
-            with np.errstate(divide="ignore"):
+            with np.errstate(divide="ignore", over="ignore"):  # a tiny weight's key: inf
                 keys = np.where(pn > 0, keys / np.where(pn > 0, pn, 1.0), np.inf)
             order = np.argsort(keys, axis=1, kind="stable")
             res = np.ascontiguousarray(order[:, :num_samples]).astype(np.int64)

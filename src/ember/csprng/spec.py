@@ -146,21 +146,22 @@ DISTRIBUTIONS: tuple[Distribution, ...] = (
                  "Tensor.uniform_ (torch.rand)", tensor_method="uniform_",
                  torch_functions=("rand", "rand_like"), triton=True, nvrtc=("uniform",),
                  extra=_check_uniform_bounds),
-    Distribution("normal_", (Param("mean", 0.0), Param("std", 1.0, Constraint.NOT_NAN)), _FLOATS,
+    Distribution("normal_", (Param("mean", 0.0), Param("std", 1.0, Constraint.NON_NEGATIVE)), _FLOATS,
                  "Tensor.normal_ (torch.randn)", tensor_method="normal_",
                  torch_functions=("randn", "randn_like", "normal"), triton=True,
                  nvrtc=("normal",)),
-    Distribution("log_normal_", (Param("mean", 1.0), Param("std", 2.0, Constraint.NOT_NAN)),
+    Distribution("log_normal_", (Param("mean", 1.0), Param("std", 2.0, Constraint.POSITIVE)),
                  DtypeRule(integers=UnsupportedDtype, complex=UnsupportedDtype),
                  "Tensor.log_normal_", tensor_method="log_normal_", triton=True,
                  nvrtc=("normal",)),
-    Distribution("exponential_", (Param("lambd", 1.0, torch_name="lambda"),), _CONTINUOUS,
+    Distribution("exponential_",
+                 (Param("lambd", 1.0, Constraint.POSITIVE, torch_name="lambda"),), _CONTINUOUS,
                  "Tensor.exponential_", tensor_method="exponential_", triton=True,
                  nvrtc=("exponential",)),
-    Distribution("cauchy_", (Param("median", 0.0), Param("sigma", 1.0)), _CONTINUOUS,
+    Distribution("cauchy_", (Param("median", 0.0), Param("sigma", 1.0, Constraint.POSITIVE)), _CONTINUOUS,
                  "Tensor.cauchy_", tensor_method="cauchy_", triton=True),
     Distribution("geometric_", (Param("p", None, Constraint.OPEN_UNIT),),
-                 DtypeRule(complex=UnsupportedDtype), "Tensor.geometric_",
+                 DtypeRule(complex=UnsupportedDtype, bools=False), "Tensor.geometric_",
                  tensor_method="geometric_", triton=True),
     Distribution("random_", (), DtypeRule(complex=UnsupportedDtype), "Tensor.random_",
                  tensor_method="random_", triton=True, nvrtc=("integer", "refill")),
@@ -200,6 +201,8 @@ def _dtype_error(d: Distribution, dtype: torch.dtype) -> type[Exception] | None:
         return None
     if rule.integers is not None:
         return rule.integers
+    if dtype == torch.bool and not rule.bools:
+        return UnsupportedDtype
     if dtype in _WIDE_UINTS and not rule.wide_uints:
         return UnsupportedDtype
     return None
@@ -218,6 +221,7 @@ def _violation(constraint: Constraint, v: float) -> bool:
 
 
 def _check_params(d: Distribution, params: tuple) -> None:
+    """Raise InvalidArgument for a number parameter that breaks its constraint."""
     for p, v in zip(d.params, params, strict=False):
         if p.constraint is Constraint.ANY or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
@@ -236,6 +240,17 @@ def check(method: str, dtype: torch.dtype, params: tuple) -> None:
     _check_params(d, params)
     if d.extra is not None:
         d.extra(dtype, params)
+
+
+def check_params(method: str, params: tuple) -> None:
+    """Raise what torch raises for ``method``'s number parameters ``params`` (any dtype)."""
+    _check_params(_BY_METHOD[method], params)
+
+
+def check_low_precision(op: str, dtype: torch.dtype) -> None:
+    """torch has no random kernels for float8 and float4 dtypes (multinomial, poisson too)."""
+    if _low_precision(dtype):
+        raise UnsupportedDtype(f"{op}: not implemented for {dtype} (torch raises too)")
 
 
 def fill_methods() -> tuple[str, ...]:

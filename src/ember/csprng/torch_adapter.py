@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,6 +72,9 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     if not fresh and t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation.")
+    if not fresh and t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{method}: Inplace update to inference tensor outside InferenceMode "
+                           "is not allowed (torch raises too); make a clone to get a normal tensor")
     spec.check(method, t.dtype, params)
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
@@ -345,10 +349,10 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
         if not -(1 << 63) <= v < 1 << 63:
             raise InvalidArgument(f"randint: bound {v} overflows int64 (torch's parser takes "
                                   "int64 bounds)")
-    if low >= high:
+    t, rg, fresh = _new(_size((), kwargs), kwargs, default_dtype=torch.int64, op="torch.randint")
+    if low >= high and not _abstract(t):  # torch checks the bounds where it draws values
         raise InvalidArgument(f"random_ expects 'from' to be less than 'to', but got "
                               f"from={low} >= to={high}")
-    t, rg, fresh = _new(_size((), kwargs), kwargs, default_dtype=torch.int64, op="torch.randint")
     return _finish(fill_(t, g, "random_range_", low, high, fresh=fresh), rg)
 
 
@@ -444,7 +448,10 @@ def _normal_tensors(g: Generator, mean: Any, std: Any, out: torch.Tensor | None
                     ) -> torch.Tensor:
     """``torch.normal`` with a tensor mean or std (or both)."""
     ref = _check_normal_tensors(mean, std, out)
-    shape = torch.broadcast_shapes(*(x.shape for x in (mean, std) if isinstance(x, torch.Tensor)))
+    shapes = [x.shape for x in (mean, std) if isinstance(x, torch.Tensor)]
+    if out is not None and not isinstance(std, torch.Tensor):
+        shapes.append(out.shape)  # torch draws into out= itself here, broadcast with mean
+    shape = torch.broadcast_shapes(*shapes)
     # torch draws into the output (out=, else a tensor of mean's dtype, or std's for a float
     # mean) and scales and shifts it in place: the output keeps that dtype
     dtype = out.dtype if out is not None else ref.dtype
@@ -457,9 +464,24 @@ def _normal_tensors(g: Generator, mean: Any, std: Any, out: torch.Tensor | None
         res = z * std + mean
     res = res.to(dtype)
     if out is not None:
-        out.resize_(res.shape).copy_(res)
-        return out
+        _resize_output(out, res.shape)
+        return out.copy_(res)
     return res
+
+
+def _resize_output(out: torch.Tensor, shape: torch.Size) -> None:
+    """Resize ``out=`` to ``shape`` as torch's out= operators do: with a warning when it held
+    elements in another shape."""
+    if out.shape == shape:
+        return
+    if out.numel():
+        warnings.warn(
+            f"An output with one or more elements was resized since it had shape {list(out.shape)}"
+            f", which does not match the required output shape {list(shape)}. This behavior is "
+            "deprecated, and in a future PyTorch release outputs will not be resized unless they "
+            "have zero elements. You can explicitly reuse an out tensor t by resizing it, "
+            "inplace, to zero elements with t.resize_(0).", UserWarning, stacklevel=5)
+    out.resize_(shape)
 
 
 class _ScaleShift(torch.autograd.Function):
@@ -495,7 +517,7 @@ def _bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     _refuse_capture("torch.bernoulli", input, out)  # before out= is resized: a refused call changes nothing
     t = out.resize_(input.shape) if out is not None else torch.empty_like(
         input, memory_format=torch.contiguous_format)
-    res = fill_(t, g, "bernoulli_", input if p is None else p)
+    res = fill_(t, g, "bernoulli_", input.resolve_neg() if p is None else p)
     if out is None:
         res = _no_gradient(res, input, "bernoulli" if p is None else None)
     return res
@@ -535,6 +557,7 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
+    spec.check_low_precision("multinomial", input.dtype)
     if not input.is_floating_point():
         raise InvalidArgument(f"multinomial only supports floating-point dtypes for input, got: "
                               f"{input.dtype}")
@@ -555,10 +578,11 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if out is not None:
         out.resize_(res.shape).copy_(res)
         return out
-    return res
+    return res if res.numel() else torch.empty(res.shape, dtype=res.dtype, device=res.device)
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
+    spec.check_low_precision("poisson", input.dtype)
     if not input.is_floating_point():
         raise UnsupportedDtype(f"poisson: not implemented for {input.dtype} (torch raises too)")
     if _abstract(input):  # shapes only: nothing to draw
@@ -649,16 +673,26 @@ def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if high is None:
         from .distributions import representable_range
 
+        spec.check("random_range_", self.dtype, ())  # before the dtype's range is looked up
         high = representable_range(self.dtype)[1] + 1
+        if high - 1 >= 1 << 63:  # torch's int64 bound: uint64's largest value is refused
+            raise InvalidArgument(f"random_: to - 1 = {high - 1} is out of bounds for {self.dtype}")
     return fill_(self, g, "random_range_", low, _int_arg(high, "random_(): argument 'to'"))
 
 
 def _bernoulli_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     (p,) = _pick(args, kwargs, ("p",), (0.5,))
-    if isinstance(p, torch.Tensor) and p.is_cuda:  # a CUDA p read for a CPU draw (a CUDA self
-        _refuse_capture("Tensor.bernoulli_", p)  # is refused by its fill)
-    return fill_(self, g, "bernoulli_", p)
+    if not isinstance(p, torch.Tensor):
+        return fill_(self, g, "bernoulli_", p)
+    if p.is_cuda:  # a CUDA p read for a CPU draw (a CUDA self is refused by its fill)
+        _refuse_capture("Tensor.bernoulli_", p)
+    p = p.resolve_neg()  # the sampler reads p's memory: a negated view's values are elsewhere
+    if not (_wants_grad(p) and self.is_floating_point()):
+        return fill_(self, g, "bernoulli_", p)
+    # torch's in-place draw joins p's graph, with a zero gradient to p
+    drawn = fill_(torch.empty_like(self), g, "bernoulli_", p.detach(), fresh=True)
+    return self.copy_(_ZeroGradient.apply(drawn, p, "bernoulli"))
 
 
 def _tensor_bernoulli(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
