@@ -134,11 +134,6 @@ def keystream2_call(nbytes: int = 64 * MiB, threads: int = 2) -> Callable[[], No
     return both
 
 
-def keystream2_gbps(nbytes: int = 64 * MiB, repeat: int = 5, threads: int = 2) -> float:
-    """Raw keystream on ``threads`` threads (see :func:`keystream2_call`), best of ``repeat``."""
-    return nbytes / _best(keystream2_call(nbytes, threads), repeat) / 1e9
-
-
 def _fresh_cases(nbytes: int):
     n32, n64 = nbytes // 4, nbytes // 8
     return [

@@ -159,11 +159,6 @@ def cipher_table(cipher: str, key: bytes) -> np.ndarray:
     return words.view(np.int32)
 
 
-def chacha_table(key32: bytes) -> np.ndarray:
-    """The int32 table for a raw 32-byte ChaCha20 key (for test vectors)."""
-    return np.frombuffer(key32, dtype="<u4").astype(np.uint32).view(np.int32)
-
-
 # ---------------------------------------------------------------------------- kernels
 _KERNELS: dict[bool, ModuleType] = {}
 _KERNELS_LOCK = threading.Lock()

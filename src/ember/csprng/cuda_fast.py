@@ -25,7 +25,6 @@ from .distributions import NativeSampler, blocks_for, default_range
 from .stream import BlockStream, derive_key
 
 FAST_METHODS = frozenset(d.method for d in spec.DISTRIBUTIONS if d.nvrtc)
-MAX_UNITS = 1 << 40  # larger fills are split by nobody: they take another path
 _KIND = {
     torch.float32: nk.K_F32, torch.float64: nk.K_F64, torch.float16: nk.K_F16, torch.bfloat16: nk.K_BF16,
     torch.int64: nk.K_I64, torch.int32: nk.K_I32, torch.int16: nk.K_I16, torch.int8: nk.K_I8,

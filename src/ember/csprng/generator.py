@@ -40,9 +40,10 @@ _CPU = torch.device("cpu")
 
 
 class InheritedStateUsed(RuntimeError):
-    """Kept for compatibility with ember < 0.3, whose generator subclassed ``torch.Generator`` and
-    reported draws from its inherited state with this error. The generator no longer has such a
-    state (unrouted torch paths now raise at once), so ember itself no longer raises it."""
+    """A draw from a state the generator does not have. ember's generator is not a
+    ``torch.Generator`` and has no inherited state: torch paths that ember does not route raise
+    at once instead, so ember itself never raises this; it stays importable for code that
+    catches it."""
 
 
 class Generator:
@@ -163,7 +164,7 @@ class Generator:
         self._set_stream("seeded", key_from_seed(seed), 0, self.cipher, from_os=True, seed=seed)
         return seed
 
-    def initial_seed(self) -> int:  # type: ignore[override]
+    def initial_seed(self) -> int:
         """The seed the current key was derived from."""
         if self._seed is None:
             raise RuntimeError(
