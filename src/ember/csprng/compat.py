@@ -91,7 +91,8 @@ def _store(out: torch.Tensor, lo: int, hi: int, values: np.ndarray) -> None:
     dtype = out.dtype
     flat = out.view(-1)
     if dtype in (torch.float16, torch.bfloat16) and values.dtype != np.float32:
-        values = values.astype(np.float32)
+        with np.errstate(over="ignore"):  # past float's range: inf, as C++'s cast gives
+            values = values.astype(np.float32)
     if dtype == torch.bfloat16:
         flat[lo:hi].copy_(torch.from_numpy(values))
         return
@@ -99,7 +100,8 @@ def _store(out: torch.Tensor, lo: int, hi: int, values: np.ndarray) -> None:
     if dtype == torch.bool:
         np.not_equal(values, 0, out=dst[lo:hi])
     else:
-        dst[lo:hi] = values.astype(_NUMPY[dtype], copy=False)
+        with np.errstate(over="ignore"):  # past the dtype's range: inf, as C++'s cast gives
+            dst[lo:hi] = values.astype(_NUMPY[dtype], copy=False)
 
 
 class MT19937Sampler:
