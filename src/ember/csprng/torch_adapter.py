@@ -65,16 +65,7 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     ``fresh`` says that ``t`` was just created here, so no one else can hold it: no autograd
     checks and no version bump are needed.
     """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:  # torch has no random kernels for other layouts either
-        raise UnsupportedLayout(f"{method}: only strided tensors are supported, got {t.layout}")
-    if not fresh and t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
-        raise RuntimeError(
-            "a leaf Variable that requires grad is being used in an in-place operation.")
-    if not fresh and t.is_inference() and not torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{method}: Inplace update to inference tensor outside InferenceMode "
-                           "is not allowed (torch raises too); make a clone to get a normal tensor")
+    _check_writable(t, method, fresh)
     spec.check(method, t.dtype, params)
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
@@ -111,6 +102,22 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     getattr(sampler, method)(tmp, *params)
     t.copy_(tmp)
     return t
+
+
+def _check_writable(t: Any, method: str, fresh: bool) -> None:
+    """Raise as torch does for an in-place draw into ``t`` that torch refuses."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # torch has no random kernels for other layouts either
+        raise UnsupportedLayout(f"{method}: only strided tensors are supported, got {t.layout}")
+    if fresh:  # made here: nobody else holds it
+        return
+    if t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation.")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{method}: Inplace update to inference tensor outside InferenceMode "
+                           "is not allowed (torch raises too); make a clone to get a normal tensor")
 
 
 def _refuse_capture(op: str, *args: Any) -> None:
