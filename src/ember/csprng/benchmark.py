@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
 from .ciphers import get_cipher
-from .generator import create_generator
+from .generator import create_generator, for_torch
 
 MiB = 1 << 20
 # issue 14's goals: ratio to torch's default generator, by (case, MiB); fresh-output cases by name
@@ -78,12 +78,12 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def pair_row(case: str, nbytes: int, make: Callable[[torch.Generator], Callable[[], object]],
              reps: int = REPS, inner: int = 1, goal: float | None = None,
-             extra: dict[str, Callable[[], object]] | None = None) -> dict:
+             extra: Mapping[str, Callable[[], object]] | None = None) -> dict:
     """One row: ember against torch's generator on the same call, ``reps`` interleaved
     repetitions; the ratio is the median of the per-repetition ratios, with their min-max and
     interquartile range, and the load average before and after."""
     ember, plain = create_generator(0), torch.Generator().manual_seed(0)
-    fns = {"ember": make(ember), "torch": make(plain), **(extra or {})}
+    fns = {"ember": make(for_torch(ember)), "torch": make(plain), **(extra or {})}
     load_before = load_average()
     t = interleaved(fns, reps, inner)
     ratios = [b / a for a, b in zip(t["ember"], t["torch"], strict=True)]
@@ -103,7 +103,7 @@ def pair_row(case: str, nbytes: int, make: Callable[[torch.Generator], Callable[
 def keystream_gbps(nbytes: int = 64 * MiB, repeat: int = 5) -> float:
     """Raw AES-128-CTR keystream into a preallocated buffer (the ceiling for ember's output)."""
     buf = np.empty(nbytes, np.uint8)
-    mv = memoryview(buf)
+    mv = buf.data
     aes = get_cipher("aes128")
     return nbytes / _best(lambda: aes.keystream(bytes(16), 0).fill(mv), repeat) / 1e9
 
@@ -115,7 +115,7 @@ def keystream2_call(nbytes: int = 64 * MiB, threads: int = 2) -> Callable[[], No
 
     buf = np.empty(nbytes, np.uint8)
     buf.fill(0)  # fault the pages in now, not in the first timed call
-    mv = memoryview(buf)
+    mv = buf.data
     aes = get_cipher("aes128")
     piece = 4 * MiB
     starts = list(range(0, nbytes, piece))
@@ -247,7 +247,7 @@ def call_overhead_us(number: int = 20000) -> dict[str, float]:
     from . import torch_adapter
 
     original = torch_adapter._ORIGINALS.get((torch, "rand"), torch.rand)
-    plain, ember = torch.Generator(), create_generator(0)
+    plain, ember = torch.Generator(), for_torch(create_generator(0))
     x = torch.empty(4)
 
     def us(fn: Callable[[], object]) -> float:

@@ -44,7 +44,7 @@ _NUMPY = {
     torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
     torch.float32: np.float32, torch.float64: np.float64,
 }
-_WORD = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORD: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 # random_() with no range: (word bytes, modulus) per dtype; bool keeps the low bit
 _FULL_RANGE = {

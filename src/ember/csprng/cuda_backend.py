@@ -177,12 +177,15 @@ def kernels(interpret: bool) -> ModuleType:
         else:  # a second copy of the module, decorated in the other mode
             name = f"{__package__}._triton_kernels_{'interpreted' if interpret else 'compiled'}"
             spec = importlib.util.spec_from_file_location(name, triton_kernels.__file__)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load a second copy of {triton_kernels.__file__}")
+            loader = spec.loader
             mod = importlib.util.module_from_spec(spec)
             old = os.environ.get("TRITON_INTERPRET")
             os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
             try:
                 sys.modules[name] = mod
-                spec.loader.exec_module(mod)
+                loader.exec_module(mod)
             finally:
                 if old is None:
                     del os.environ["TRITON_INTERPRET"]

@@ -181,7 +181,9 @@ def _below(b: float, dtype: torch.dtype) -> float:
 @lru_cache(maxsize=256)
 def _normal_consts(f64: bool, mean: float, std: float) -> tuple[float, float, float, float]:
     bits = 53 if f64 else 24
-    return tuple(_round(v, not f64) for v in (2.0**-bits, 2.0 * math.pi * 2.0**-bits, std, mean))
+    scale, angle, s, m = (_round(v, not f64) for v in (2.0**-bits, 2.0 * math.pi * 2.0**-bits,
+                                                        std, mean))
+    return scale, angle, s, m
 
 
 def _normal_family(log: bool):

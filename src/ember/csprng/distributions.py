@@ -15,6 +15,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
@@ -85,17 +86,17 @@ def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
     buf = _words(min(hi - lo, step) * words_per_item, word_dtype) if into is None else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
-        if into is None:
+        if buf is not None:
             w = buf[: (b - a) * words_per_item]
-        else:
-            w = into[(a - lo) * words_per_item: (b - lo) * words_per_item]
+        else:  # buf is None exactly when into is given
+            w = cast(np.ndarray, into)[(a - lo) * words_per_item: (b - lo) * words_per_item]
         draw.fill(_bytes(w))
         yield a, b, w
 
 
 _SIGNED = {np.dtype(f"{order}u{size}"): np.dtype(f"{order}i{size}")
            for order in "<>=" for size in (1, 2, 4, 8)}
-_ITEMSIZE = {np.uint16: 2, np.uint32: 4, np.uint64: 8}
+_ITEMSIZE: dict[type, int] = {np.uint16: 2, np.uint32: 4, np.uint64: 8}
 
 
 def _signed(w: np.ndarray) -> np.ndarray:
@@ -133,7 +134,7 @@ def _words(n: int, word_dtype: type) -> np.ndarray:
 def _bytes(w: np.ndarray) -> memoryview:
     """The bytes of a contiguous word array, for ``Draw.fill`` (which completes a partial last
     block itself)."""
-    return memoryview(w.view(np.uint8))
+    return w.view(np.uint8).data
 
 
 # Draws of at least this much keystream are split across threads (OpenSSL and NumPy release the
@@ -237,10 +238,10 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
                 a = i * step
                 b = min(a + step, n)
                 nb = (b - a) * wbytes
-                if into is None:
+                if buf is not None:
                     w = buf[: (b - a) * words_per_item]
-                else:
-                    w = into[a * words_per_item: b * words_per_item]
+                else:  # buf is None exactly when into is given
+                    w = cast(np.ndarray, into)[a * words_per_item: b * words_per_item]
                 draw.part(a * wbytes // BLOCK_BYTES, blocks_for(nb)).fill(_bytes(w))
                 body(a, b, w)
             except BaseException as exc:  # re-raised on the calling thread
@@ -400,7 +401,7 @@ class NativeSampler:
         if small_blocks:
             # the small tensors' keystream, one cipher call per run of consecutive small tensors
             # (a large tensor between two small ones splits the run; it is filled on its own)
-            view, at, pos, run = memoryview(buf), 0, start, None
+            view, at, pos, run = buf.data, 0, start, None
             for nb in [*sizes, None]:
                 small_one = nb is not None and nb * BLOCK_BYTES <= CHUNK_BYTES
                 if small_one and run is None:
@@ -420,7 +421,7 @@ class NativeSampler:
                     batch.setdefault(out.dtype, []).append((out, at))
                 else:
                     self._normal(out, mean, std, False,
-                                 _BufferDraw(memoryview(buf)[at: at + nb * BLOCK_BYTES]))
+                                 _BufferDraw(buf.data[at: at + nb * BLOCK_BYTES]))
                 at += nb * BLOCK_BYTES
             else:
                 self._normal(out, mean, std, False, Draw(self.stream, pos, nb))
@@ -618,7 +619,7 @@ class NativeSampler:
                     rejected.append(bad + lo)
                 if offset:
                     np.add(x, offset, out=x)
-            if dst is None:
+            if sink is not None:  # else the values were written into the output itself
                 sink.write(lo, hi, x.view(np.int64))
 
         _drive(draw, n, 1, word, body)
@@ -635,7 +636,7 @@ class NativeSampler:
         while positions.size:
             d = refill._draw(positions.size * (8 if wide else 4))
             w = np.empty(positions.size, word)
-            d.fill(memoryview(w.view(np.uint8)))
+            d.fill(w.view(np.uint8).data)
             x = np.empty(positions.size, np.uint64)
             bad = _bounded(w, r, x)
             np.add(x, offset, out=x)
@@ -694,7 +695,7 @@ class NativeSampler:
             if thr_scalar is not None:
                 np.less(w, thr_scalar, out=rc)
             else:
-                pc = pn[lo:hi]
+                pc = cast(np.ndarray, pn)[lo:hi]  # thr_scalar is None exactly when pn is given
                 ones = pc >= 1.0
                 thr = np.ldexp(np.where(ones, 0.0, pc), 64).astype(np.uint64)
                 np.less(w, thr, out=rc)
@@ -716,7 +717,7 @@ class NativeSampler:
         if n == 0:
             return
         words = np.empty(2 * n, np.uint32)
-        draw.fill(memoryview(words.view(np.uint8)))
+        draw.fill(words.view(np.uint8).data)
         if n == 1:
             out.view(-1).fill_(0)
             return
@@ -727,7 +728,7 @@ class NativeSampler:
 
         def more(k: int) -> np.ndarray:
             w = np.empty(k, np.uint32)
-            refill._draw(k * 4).fill(memoryview(w.view(np.uint8)))
+            refill._draw(k * 4).fill(w.view(np.uint8).data)
             return w
 
         threads = _threads(n * 8)
@@ -765,7 +766,7 @@ class NativeSampler:
                              f"{k} categories without replacement")
         nwords = rows * (num_samples if replacement else k)
         w = np.empty(nwords, "<u8")
-        self._draw(nwords * 8).fill(memoryview(w.view(np.uint8)))
+        self._draw(nwords * 8).fill(w.view(np.uint8).data)
         u = (w & np.uint64((1 << 53) - 1)).astype(np.float64)
         if replacement:
             # inversion: u in [0, 1) against the normalised cumulative weights of each row
@@ -827,7 +828,7 @@ POISSON_PTRS_RATE = 10.0  # rates from here on use PTRS (as NumPy does)
 def _u53_pairs(draw: Draw, n: int) -> np.ndarray:
     """``n`` pairs of uniforms ``(w & (2**53 - 1)) * 2**-53`` from ``2n`` 64-bit words."""
     w = np.empty(2 * n, "<u8")
-    draw.fill(memoryview(w.view(np.uint8)))
+    draw.fill(w.view(np.uint8).data)
     return ((w & np.uint64((1 << 53) - 1)).astype(np.float64) * 2.0**-53).reshape(n, 2)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import patch
-from .generator import Generator
+from .generator import Generator, for_torch
 
 
 def sparse_(tensor: torch.Tensor, sparsity: float, std: float = 0.01,
@@ -33,9 +33,9 @@ def sparse_(tensor: torch.Tensor, sparsity: float, std: float = 0.01,
     rows, cols = tensor.shape
     num_zeros = math.ceil(sparsity * rows)
     with torch.no_grad():
-        tensor.normal_(0, std, generator=generator)
+        tensor.normal_(0, std, generator=for_torch(generator))
         for col in range(cols):
-            zero_rows = torch.randperm(rows, generator=generator)[:num_zeros]
+            zero_rows = torch.randperm(rows, generator=for_torch(generator))[:num_zeros]
             tensor[zero_rows, col] = 0
     return tensor
 

@@ -14,6 +14,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from .stream import CounterExhausted
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 # device type -> fill(generator, tensor, method, params) for tensors on that device
-_DEVICE_BACKENDS: dict[str, Callable[..., None]] = {}
+_DEVICE_BACKENDS: dict[str, Callable[..., bool]] = {}
 
 
 def register_device_backend(device_type: str, fill: Callable[..., bool]) -> None:
@@ -334,20 +335,20 @@ def _randn_like(input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 
 def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
-    args = list(args)
-    if "size" not in kwargs and args and isinstance(args[-1], (tuple, list, torch.Size)):
-        kwargs["size"] = args.pop()
+    rest = list(args)
+    if "size" not in kwargs and rest and isinstance(rest[-1], (tuple, list, torch.Size)):
+        kwargs["size"] = rest.pop()
     if "high" in kwargs:
         high = kwargs.pop("high")
-        low = kwargs.pop("low", args.pop(0) if args else 0)
-    elif len(args) == 2:
-        low, high = args
-        args = []
-    elif len(args) == 1:
-        low, high = kwargs.pop("low", 0), args.pop()
+        low = kwargs.pop("low", rest.pop(0) if rest else 0)
+    elif len(rest) == 2:
+        low, high = rest
+        rest = []
+    elif len(rest) == 1:
+        low, high = kwargs.pop("low", 0), rest.pop()
     else:
         raise TypeError("randint() missing the high argument")
-    if args:
+    if rest:
         raise TypeError("randint(): too many positional arguments")
     if "size" not in kwargs:
         raise TypeError('randint() missing 1 required positional argument: "size"')
@@ -648,7 +649,7 @@ def _called_from_early_bound_code() -> bool:
     Compared by identity, never hashed: under torch.compile the frames above run code that dynamo
     generated, whose constants can include a dict, and hashing such a code object raises.
     """
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
         if frame is None:
             return False
@@ -707,7 +708,7 @@ def _tensor_bernoulli(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
 
 
 # ---------------------------------------------------------------------- installation
-_TORCH = {
+_TORCH: dict[str, Callable[..., Any]] = {
     "rand": _rand, "randn": _randn, "rand_like": _rand_like, "randn_like": _randn_like,
     "randint": _randint, "randint_like": _randint_like, "randperm": _randperm,
     "normal": _normal, "bernoulli": _bernoulli, "multinomial": _multinomial,
@@ -761,7 +762,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return _under_transform(name, impl, args, kwargs)
         return _call(impl, args, kwargs)
 
-    wrapper.__ember_original__ = original  # type: ignore[attr-defined]
+    wrapper.__ember_original__ = original
     return wrapper
 
 
