@@ -30,6 +30,10 @@ def _is_class(v: Any) -> bool:
     return isinstance(v, type)
 
 
+def _is_attribute(v: Any) -> bool:
+    return v is not None
+
+
 def _returns_set(v: Any) -> bool:
     return callable(v) and isinstance(v(), set)
 
@@ -92,6 +96,14 @@ HOOKS: tuple[Hook, ...] = (
          _is_class),
     Hook("torch._C", "_cuda_getCurrentRawStream", "the CUDA stream handle, fast",
          required=False),
+    Hook("torch", "Tensor._version", "the version counter a write through NumPy bumps",
+         _is_attribute),
+    Hook("torch", "_assert_async", "checks bernoulli_'s p and the integer refill on the GPU"),
+    Hook("torch", "_foreach_add_", "sums Opacus's secure noise draws (normal_foreach_)"),
+    Hook("torch", "_foreach_div_", "sums Opacus's secure noise draws (normal_foreach_)"),
+    Hook("torch", "_foreach_copy_", "sums Opacus's secure noise draws (normal_foreach_)"),
+    Hook("torch", "_standard_gamma", "wrapped to refuse ember generators", required=False),
+    Hook("torch", "_sample_dirichlet", "wrapped to refuse ember generators", required=False),
 )
 
 _BY_NAME = {h.name: h for h in HOOKS}
