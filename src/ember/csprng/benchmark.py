@@ -17,12 +17,12 @@ from .ciphers import get_cipher
 from .generator import create_generator, for_torch
 
 MiB = 1 << 20
-# issue 14's goals: ratio to torch's default generator, by (case, MiB); fresh-output cases by name
+# the speed goals: ratio to torch's default generator, by (case, MiB); fresh-output cases by name
 GOALS = {("rand float32", 64): 6.0, ("rand float32", 1): 4.0, ("randn float32", 64): 2.5,
          ("randn float32", 1): 1.5, ("randint int64", 64): 3.0, ("randperm 1e7", None): 2.0,
          ("rand float32 fresh", 64): 4.0, ("randn float32 fresh", 64): 2.0,
          ("randint int64 fresh", 64): 2.0}
-# issue 25's CPU goal: torch.randn(1000) per call at most 3x torch's, i.e. a ratio of at least 1/3
+# the small-call CPU goal: torch.randn(1000) per call at most 3x torch's, i.e. a ratio of at least 1/3
 SMALL_CALL_GOALS = {"randn(1000) per call": 1 / 3}
 SMALL_CALLS = 200  # calls per timed repetition of a small-call row
 KEYSTREAM_SHARE_GOAL = 0.70  # uniform float32 at 64 MiB against the two-thread keystream rate
