@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 
+import ember.csprng as csprng
 from ember.csprng import patch
 
 
@@ -54,3 +55,30 @@ def test_get_names_the_missing_hook(monkeypatch):
     monkeypatch.delattr(torch.nn.init, "_make_deprecate")
     with pytest.raises(patch.TorchIncompatible, match=r"torch\.nn\.init\._make_deprecate"):
         patch.get("torch.nn.init._make_deprecate")
+
+
+def test_version_counter_setter_takes_either_calling_convention():
+    calls = []
+
+    def older(t, v):  # one tensor and one int, as torch 2.4's
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("incompatible function arguments")
+        calls.append(("older", v))
+
+    def newer(ts, vs):  # tuples, as newer torch's
+        if not isinstance(ts, tuple):
+            raise TypeError("incompatible function arguments")
+        calls.append(("newer", vs))
+
+    t = torch.empty(2)
+    patch._version_setter(older)(t, 7)
+    patch._version_setter(newer)(t, 8)
+    assert calls[-1] == ("newer", (8,)) and ("older", 7) in calls
+    assert patch._version_setter(lambda *a: (_ for _ in ()).throw(TypeError())) is None
+
+
+def test_an_in_place_draw_bumps_the_version_counter():
+    x = torch.empty(4)
+    before = x._version
+    x.normal_(generator=csprng.create_generator(1))
+    assert x._version == before + 1

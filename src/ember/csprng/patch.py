@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -71,7 +71,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("torch.jit._builtins", "_register_builtin",
          "lets torch.jit.script see a wrapper as the op"),
     Hook("torch._C._autograd", "_unsafe_set_version_counter",
-         "records a write made through NumPy as an in-place modification"),
+         "records a write made through NumPy as an in-place modification",
+         lambda v: _version_setter(v) is not None),
     Hook("torch._C", "_DisableFuncTorch", "draws into plain tensors inside torch.func",
          _is_class),
     Hook("torch._C._functorch", "is_functorch_wrapped_tensor", "torch.func's wrapped tensors"),
@@ -107,6 +108,34 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 _BY_NAME = {h.name: h for h in HOOKS}
+
+
+def _version_setter(setter: Any) -> Callable[[torch.Tensor, int], None] | None:
+    """``set(t, version)`` through torch's ``_unsafe_set_version_counter``, which takes tuples of
+    tensors and versions in newer torch and one tensor and one int in older; None if neither."""
+    probe = torch.empty(0)
+    try:
+        setter((probe,), (probe._version,))
+    except TypeError:
+        pass
+    else:
+        return lambda t, v: setter((t,), (v,))
+    try:
+        setter(probe, probe._version)
+    except TypeError:
+        return None
+    return cast(Callable[[torch.Tensor, int], None], setter)
+
+
+_SET_VERSION = _version_setter(getattr(torch._C._autograd, "_unsafe_set_version_counter", None))
+
+
+def bump_version(t: torch.Tensor) -> None:
+    """Record a write into ``t``'s memory that autograd did not see (one made through NumPy)."""
+    if _SET_VERSION is None:
+        hook = _BY_NAME["torch._C._autograd._unsafe_set_version_counter"]
+        raise TorchIncompatible(_message([hook]))
+    _SET_VERSION(t, t._version + 1)
 
 
 def _lookup(hook: Hook) -> Any:
