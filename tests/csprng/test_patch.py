@@ -82,3 +82,15 @@ def test_an_in_place_draw_bumps_the_version_counter():
     before = x._version
     x.normal_(generator=csprng.create_generator(1))
     assert x._version == before + 1
+
+
+def test_like_factories_are_routed_only_where_torch_takes_a_generator():
+    def without(input, *args):  # torch 2.4's rand_like: no generator= parameter
+        return torch.empty_like(input)
+
+    def with_generator(input, *args, generator=None):
+        return torch.empty_like(input)
+
+    assert not patch.takes_generator("rand_like", without)
+    assert patch.takes_generator("randint_like", with_generator)
+    assert patch.takes_generator("rand", without)  # not a late one: always routed

@@ -130,6 +130,24 @@ def _version_setter(setter: Any) -> Callable[[torch.Tensor, int], None] | None:
 _SET_VERSION = _version_setter(getattr(torch._C._autograd, "_unsafe_set_version_counter", None))
 
 
+# factories that have no generator= parameter in some torch versions (rand_like & co. in 2.4),
+# with the other arguments of a call that would succeed
+_LATE_GENERATOR_PROBES: dict[str, tuple[Any, ...]] = {
+    "rand_like": (), "randn_like": (), "randint_like": (1,)}
+
+
+def takes_generator(name: str, original: Callable[..., Any]) -> bool:
+    """Whether torch's function ``torch.<name>`` accepts ``generator=`` in this torch."""
+    probe = _LATE_GENERATOR_PROBES.get(name)
+    if probe is None:
+        return True
+    try:
+        original(torch.empty(0), *probe, generator=torch.Generator())
+    except TypeError:
+        return False
+    return True
+
+
 def bump_version(t: torch.Tensor) -> None:
     """Record a write into ``t``'s memory that autograd did not see (one made through NumPy)."""
     if _SET_VERSION is None:

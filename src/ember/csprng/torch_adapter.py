@@ -777,8 +777,8 @@ def install() -> None:
     base = patch.get("torch.utils._device._device_constructors")()
     for name, impl in _TORCH.items():
         original = getattr(torch, name, None)
-        if original is None:
-            continue
+        if original is None or not patch.takes_generator(name, original):
+            continue  # torch has no such call with a generator: it refuses ember's as any other
         _ORIGINALS[(torch, name)] = original
         wrapper = _wrap(original, impl, 1 if name == "poisson" else -1)
         setattr(torch, name, wrapper)
