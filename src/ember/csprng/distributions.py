@@ -9,6 +9,7 @@ sizes and dtypes involved, never on the values drawn.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -37,10 +38,28 @@ _UINT_DTYPES = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr
 _MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 
 
-# values past a dtype's range become inf, as torch's kernels make them, without NumPy's warning;
-# entered only where a value can overflow (helper threads do not inherit the caller's state)
 def _overflow_to_inf() -> np.errstate:
+    """Values past a dtype's range become inf, as torch's kernels make them, without NumPy's
+    overflow warning (helper threads do not inherit the caller's state: each enters its own)."""
     return np.errstate(over="ignore")
+
+
+_NO_OVERFLOW = contextlib.nullcontext()
+# the largest finite value of each float dtype
+_FINITE_MAX = {d: torch.finfo(d).max for d in (torch.float16, torch.bfloat16, torch.float32,
+                                               torch.float64)}
+# bounds of |z| for a standard normal and of |tan(pi (u - 1/2))| for a Cauchy value, over every
+# keystream word (float64's 53-bit grids; float32's are smaller)
+_NORMAL_BOUND = 9.0
+_TAN_BOUND = 6e15
+
+
+def _overflow_if(dtype: torch.dtype, bound: float) -> contextlib.AbstractContextManager:
+    """:func:`_overflow_to_inf` where a value as large as ``bound`` would pass the range of
+    ``dtype``; else nothing to enter (NumPy's error state costs microseconds per call)."""
+    if not bound < _FINITE_MAX.get(dtype, 0.0) / 2:
+        return _overflow_to_inf()
+    return _NO_OVERFLOW
 
 
 def blocks_for(nbytes: int) -> int:
@@ -370,17 +389,15 @@ class NativeSampler:
             _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
         spec.check_params("normal_", (mean, std))
-        if mean == 0.0 and std == 1.0:  # no value can overflow
-            self._normal(out, mean, std, log=False)
-            return
-        with _overflow_to_inf():
+        with _overflow_if(out.dtype, abs(mean) + _NORMAL_BOUND * std):
             self._normal(out, mean, std, log=False)
 
     def log_normal_(self, out: torch.Tensor, mean: float = 1.0, std: float = 2.0) -> None:
         _check_dtype("log_normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
         spec.check_params("log_normal_", (mean, std))
-        with _overflow_to_inf():
+        top = mean + _NORMAL_BOUND * std  # the largest log of a value
+        with _overflow_if(out.dtype, math.exp(top) if top < 700.0 else math.inf):
             self._normal(out, mean, std, log=True)
 
     def normal_foreach_(self, outs: list[torch.Tensor], mean: float = 0.0, std: float = 1.0) -> None:
@@ -510,7 +527,7 @@ class NativeSampler:
             np.minimum(u, cd(-np.finfo(cd).eps / 2), out=u)
             np.multiply(u, cd(-1.0 / lambd), out=u)
 
-        with _overflow_to_inf():
+        with _overflow_if(out.dtype, 40.0 / lambd):  # -log(u) <= 37 for every word
             self._unit_open(out, "exponential_", 1.0, tf)
 
     def cauchy_(self, out: torch.Tensor, median: float = 0.0, sigma: float = 1.0) -> None:
@@ -524,7 +541,7 @@ class NativeSampler:
             np.multiply(u, cd(sigma), out=u)
             np.add(u, cd(median), out=u)
 
-        with _overflow_to_inf():
+        with _overflow_if(out.dtype, abs(median) + sigma * _TAN_BOUND):
             self._unit_open(out, "cauchy_", 0.5, tf)
 
     def geometric_(self, out: torch.Tensor, p: float) -> None:
