@@ -208,43 +208,48 @@ def _dtype_error(d: Distribution, dtype: torch.dtype) -> type[Exception] | None:
     return None
 
 
-def _violation(constraint: Constraint, v: float) -> bool:
-    if constraint is Constraint.NOT_NAN:
-        return v != v
-    if constraint is Constraint.NON_NEGATIVE:
-        return not v >= 0.0
-    if constraint is Constraint.POSITIVE:
-        return not v > 0.0
-    if constraint is Constraint.OPEN_UNIT:
-        return not 0.0 < v < 1.0
-    return False
+# what a number satisfying each constraint passes (NaN fails every one but ANY)
+_ACCEPTS: dict[Constraint, Callable[[float], bool]] = {
+    Constraint.NOT_NAN: lambda v: v == v,
+    Constraint.NON_NEGATIVE: lambda v: v >= 0.0,
+    Constraint.POSITIVE: lambda v: v > 0.0,
+    Constraint.OPEN_UNIT: lambda v: 0.0 < v < 1.0,
+}
+_NUMBERS = (int, float)  # a tensor or another kind of number is left to the sampler
+# per method: (position, accepts, parameter) for each constrained parameter, made once
+_CHECKS = {d.method: tuple((i, _ACCEPTS[p.constraint], p) for i, p in enumerate(d.params)
+                           if p.constraint is not Constraint.ANY) for d in DISTRIBUTIONS}
+_DTYPE_ERRORS: dict[tuple[str, torch.dtype], type[Exception] | None] = {}
 
 
-def _check_params(d: Distribution, params: tuple) -> None:
+def _check_params(method: str, params: tuple) -> None:
     """Raise InvalidArgument for a number parameter that breaks its constraint."""
-    for p, v in zip(d.params, params, strict=False):
-        if p.constraint is Constraint.ANY or isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        if _violation(p.constraint, float(v)):
+    for i, accepts, p in _CHECKS[method]:
+        if (i < len(params) and isinstance(params[i], _NUMBERS) and type(params[i]) is not bool
+                and not accepts(params[i])):
             name = p.torch_name or p.name
-            raise InvalidArgument(f"{d.method} expects {name} {p.constraint.value}, but found "
-                                  f"{name}={v}")
+            raise InvalidArgument(f"{method} expects {name} {p.constraint.value}, but found "
+                                  f"{name}={params[i]}")
 
 
 def check(method: str, dtype: torch.dtype, params: tuple) -> None:
     """Raise what torch raises for filling a ``dtype`` tensor with ``method(*params)``."""
-    d = _BY_METHOD[method]
-    error = _dtype_error(d, dtype)
+    key = (method, dtype)
+    try:
+        error = _DTYPE_ERRORS[key]
+    except KeyError:
+        error = _DTYPE_ERRORS[key] = _dtype_error(_BY_METHOD[method], dtype)
     if error is not None:
-        raise error(f"{d.method}: not implemented for {dtype} (torch raises too)")
-    _check_params(d, params)
-    if d.extra is not None:
-        d.extra(dtype, params)
+        raise error(f"{method}: not implemented for {dtype} (torch raises too)")
+    _check_params(method, params)
+    extra = _BY_METHOD[method].extra
+    if extra is not None:
+        extra(dtype, params)
 
 
 def check_params(method: str, params: tuple) -> None:
     """Raise what torch raises for ``method``'s number parameters ``params`` (any dtype)."""
-    _check_params(_BY_METHOD[method], params)
+    _check_params(method, params)
 
 
 def check_low_precision(op: str, dtype: torch.dtype) -> None:
