@@ -388,14 +388,19 @@ class NativeSampler:
         if out.dtype not in FLOAT_DTYPES:
             _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
-        spec.check_params("normal_", (mean, std))
-        with _overflow_if(out.dtype, abs(mean) + _NORMAL_BOUND * std):
+        if not std >= 0.0:  # the record's rule, with its message
+            spec.check_params("normal_", (mean, std))
+        if abs(mean) + _NORMAL_BOUND * std < _FINITE_MAX[out.dtype] / 2:  # the common case
+            self._normal(out, mean, std, log=False)
+            return
+        with _overflow_to_inf():
             self._normal(out, mean, std, log=False)
 
     def log_normal_(self, out: torch.Tensor, mean: float = 1.0, std: float = 2.0) -> None:
         _check_dtype("log_normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
-        spec.check_params("log_normal_", (mean, std))
+        if not std > 0.0:
+            spec.check_params("log_normal_", (mean, std))
         top = mean + _NORMAL_BOUND * std  # the largest log of a value
         with _overflow_if(out.dtype, math.exp(top) if top < 700.0 else math.inf):
             self._normal(out, mean, std, log=True)
@@ -407,7 +412,8 @@ class NativeSampler:
         for out in outs:
             _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
-        spec.check_params("normal_", (mean, std))
+        if not std >= 0.0:
+            spec.check_params("normal_", (mean, std))
         sizes = []
         for out in outs:
             word = _compute(out.dtype)[0]
@@ -519,7 +525,8 @@ class NativeSampler:
 
     def exponential_(self, out: torch.Tensor, lambd: float = 1.0) -> None:
         lambd = float(lambd)
-        spec.check_params("exponential_", (lambd,))
+        if not lambd > 0.0:
+            spec.check_params("exponential_", (lambd,))
 
         def tf(u: np.ndarray, cd: type) -> None:  # -log(u) / lambd, u in (0, 1]
             np.log(u, out=u)
@@ -532,7 +539,8 @@ class NativeSampler:
 
     def cauchy_(self, out: torch.Tensor, median: float = 0.0, sigma: float = 1.0) -> None:
         median, sigma = float(median), float(sigma)
-        spec.check_params("cauchy_", (median, sigma))
+        if not sigma > 0.0:
+            spec.check_params("cauchy_", (median, sigma))
 
         def tf(u: np.ndarray, cd: type) -> None:  # median + sigma * tan(pi * (u - 1/2)), u in (0, 1)
             np.subtract(u, cd(0.5), out=u)

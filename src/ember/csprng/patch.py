@@ -127,7 +127,9 @@ def _version_setter(setter: Any) -> Callable[[torch.Tensor, int], None] | None:
     return cast(Callable[[torch.Tensor, int], None], setter)
 
 
-_SET_VERSION = _version_setter(getattr(torch._C._autograd, "_unsafe_set_version_counter", None))
+_SETTER = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+_SET_VERSION = _version_setter(_SETTER)
+_TUPLES = _SET_VERSION is not None and _SET_VERSION is not _SETTER  # newer torch's convention
 
 
 # factories that have no generator= parameter in some torch versions (rand_like & co. in 2.4),
@@ -150,10 +152,13 @@ def takes_generator(name: str, original: Callable[..., Any]) -> bool:
 
 def bump_version(t: torch.Tensor) -> None:
     """Record a write into ``t``'s memory that autograd did not see (one made through NumPy)."""
-    if _SET_VERSION is None:
+    if _TUPLES:  # the common case, called directly: this runs on every in-place draw
+        cast(Any, _SETTER)((t,), (t._version + 1,))
+    elif _SET_VERSION is not None:
+        _SET_VERSION(t, t._version + 1)
+    else:
         hook = _BY_NAME["torch._C._autograd._unsafe_set_version_counter"]
         raise TorchIncompatible(_message([hook]))
-    _SET_VERSION(t, t._version + 1)
 
 
 def _lookup(hook: Hook) -> Any:
