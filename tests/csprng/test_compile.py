@@ -23,3 +23,24 @@ def test_compiled_draws_match_eager(backend):
         want, got = step(x, g_eager), compiled(x, g_comp)
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     assert g_eager.counter == g_comp.counter > 0
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("draw", [
+    lambda x, g: x.normal_(generator=g),
+    lambda x, g: x.normal_(0, 0.5, generator=g),
+    lambda x, g: torch.nn.init.normal_(x, generator=g),
+], ids=["normal_", "normal_(0, .5)", "nn.init.normal_"])
+def test_first_compiled_in_place_normal_matches_eager(backend, draw):
+    torch._dynamo.reset()
+
+    def add_noise(x, g):
+        draw(x, g)
+        return x * 2
+
+    g_eager, g_comp = csprng.create_generator(11), csprng.create_generator(11)
+    compiled = torch.compile(add_noise, backend=backend)
+    for _ in range(2):  # the first call traces, the second runs the cached graph
+        want, got = add_noise(torch.zeros(5), g_eager), compiled(torch.zeros(5), g_comp)
+        assert torch.equal(want, got)
+    assert g_eager.counter == g_comp.counter > 0

@@ -72,6 +72,19 @@ def test_provide_makes_import_torchcsprng_resolve_to_ember(provided):
     assert torchcsprng.__version__.startswith("0.2")
 
 
+def test_version_attributes_and_module_as_torchcsprng_has_them():
+    # torchcsprng's own test_version reads both attributes; its package had a version module
+    done = _run("""
+        import ember.csprng, warnings
+        ember.csprng.provide_torchcsprng()
+        import torchcsprng
+        from torchcsprng.version import __version__, git_version
+        print(__version__ == torchcsprng.__version__, git_version == torchcsprng.git_version,
+              bool(git_version))
+    """)
+    assert done.stdout.split() == ["True", "True", "True"], done.stderr
+
+
 def test_without_provide_torchcsprng_is_not_importable():
     r = _run("""
         import ember.csprng

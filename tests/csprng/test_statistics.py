@@ -220,7 +220,7 @@ def test_multinomial_without_replacement_first_two_draws():
 
 
 def test_multinomial_with_too_few_non_zero_categories_takes_those_first():
-    # torch accepts this draw (review 2 of issue 24): the non-zero categories come first
+    # torch accepts this draw: the non-zero categories come first
     got = torch.multinomial(torch.tensor([0.0, 1.0, 0.0]), 2, generator=gen())
     assert got[0] == 1 and got[1] in (0, 2)
 

@@ -1,4 +1,4 @@
-"""Swapping ``generator=g`` into torch code changes the values and nothing else (issue 24).
+"""Swapping ``generator=g`` into torch code changes the values and nothing else.
 
 Where torch defines the behaviour, each test runs the same call with torch's own generator.
 """
@@ -395,7 +395,7 @@ def test_generator_still_usable_from_several_threads():
     assert len({tuple(o.tolist()) for o in outs}) == 4
 
 
-# ---------------------------------------------------------------- review 2: early-bound sparse_
+# ---------------------------------------------------------------- early-bound sparse_
 def test_sparse_init_bound_before_ember_was_imported_raises():
     code = textwrap.dedent("""
         import warnings
@@ -425,7 +425,7 @@ def test_sparse_init_bound_before_ember_was_imported_raises():
         "module call zeros 16", "torch generator ok"], res.stdout + res.stderr
 
 
-# ---------------------------------------------------------------- review 2: uniform_ bounds
+# ---------------------------------------------------------------- uniform_ bounds
 @pytest.mark.parametrize("dtype,a,b", [
     (torch.float16, -1e38, 1e38), (torch.float16, 1e300, 1e301), (torch.bfloat16, 1e300, 1e301),
     (torch.float32, 1e300, 1e301), (torch.float16, -65504, 65504), (torch.float32, -3e38, 3e38),
@@ -441,7 +441,7 @@ def test_uniform_bounds_outside_the_dtype_raise_like_torch(dtype, a, b):
         assert float(mine.min()) >= a and float(mine.max()) <= b
 
 
-# ---------------------------------------------------------------- review 2: normal's tensor overloads
+# ---------------------------------------------------------------- normal's tensor overloads
 @pytest.mark.parametrize("call", [
     lambda g: torch.normal(torch.zeros(3, dtype=torch.int64), torch.ones(3), generator=g),
     lambda g: torch.normal(torch.zeros(3), torch.ones(3), generator=g,
@@ -461,7 +461,7 @@ def test_normal_tensor_overloads_dtypes_and_out_like_torch(call):
         assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
 
 
-# ---------------------------------------------------------------- review 2: draws from inputs requiring grad
+# ---------------------------------------------------------------- draws from inputs requiring grad
 @pytest.mark.parametrize("draw", [
     lambda x, g: torch.bernoulli(x, generator=g),
     lambda x, g: x.bernoulli(generator=g),
@@ -500,7 +500,7 @@ def test_bernoulli_and_poisson_argument_types_like_torch(call):
     assert_same_outcome(call)
 
 
-# ---------------------------------------------------------------- review 2: exception classes
+# ---------------------------------------------------------------- exception classes
 @pytest.mark.parametrize("call", [
     lambda g: torch.empty(5, dtype=torch.complex64).log_normal_(generator=g),
     lambda g: torch.empty(5).geometric_(1.0, generator=g),
@@ -547,7 +547,7 @@ def test_multinomial_without_replacement_takes_the_non_zero_categories_first():
         assert sorted(got[:2].tolist()) == [1, 3] and got[2] in (0, 2)
 
 
-# ---------------------------------------------------------------- review 2: wide float ranges
+# ---------------------------------------------------------------- wide float ranges
 @pytest.mark.parametrize("dtype,low,high", [
     (torch.float32, 0, 2**30), (torch.float64, 0, 2**60), (torch.float16, 0, 65505),
     (torch.float16, -65504, 0), (torch.float16, 0, 65506), (torch.float16, -65505, 0),
@@ -566,7 +566,7 @@ def test_random_float_ranges_past_the_exact_integers_like_torch(dtype, low, high
             assert float(mine.max() - mine.min()) > (high - low) / 2  # spread over the range
 
 
-# ---------------------------------------------------------------- review 2: meta and fake tensors
+# ---------------------------------------------------------------- meta and fake tensors
 _ABSTRACT_CALLS = {
     "rand": lambda g: torch.rand(3, generator=g),
     "randn": lambda g: torch.randn(2, 3, generator=g),
@@ -650,7 +650,7 @@ def test_draws_under_fake_tensor_mode_like_torch(name):
     assert got[0] == got[1]
 
 
-# ---------------------------------------------------------------- review 2: low-severity argument rules
+# ---------------------------------------------------------------- low-severity argument rules
 def _grad_out(leaf: bool) -> torch.Tensor:
     w = torch.ones(4, requires_grad=True)
     return w if leaf else w * 2

@@ -1,4 +1,4 @@
-"""Integer rejections of the Triton path are refilled on the device (issue 25).
+"""Integer rejections of the Triton path are refilled on the device.
 
 ``random_``/``random_range_`` with a range that is not a power of two (Lemire, docs/csprng-stream.md)
 reject some words; the rejected elements are refilled, in increasing element order, from the draw's

@@ -64,7 +64,7 @@ def test_outside_vmap_nothing_changes():
     assert torch.equal(torch.randn(5, generator=a), torch.randn(5, generator=b))
 
 
-# ---------------------------------------------------------------- modes of outer vmaps (review 2)
+# ---------------------------------------------------------------- modes of outer vmaps
 def _gens():
     return (torch.Generator().manual_seed(1), csprng.create_generator(1))
 

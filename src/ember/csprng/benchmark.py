@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
 from .ciphers import get_cipher
-from .generator import create_generator
+from .generator import create_generator, for_torch
 
 MiB = 1 << 20
-# issue 14's goals: ratio to torch's default generator, by (case, MiB); fresh-output cases by name
+# the speed goals: ratio to torch's default generator, by (case, MiB); fresh-output cases by name
 GOALS = {("rand float32", 64): 6.0, ("rand float32", 1): 4.0, ("randn float32", 64): 2.5,
          ("randn float32", 1): 1.5, ("randint int64", 64): 3.0, ("randperm 1e7", None): 2.0,
          ("rand float32 fresh", 64): 4.0, ("randn float32 fresh", 64): 2.0,
          ("randint int64 fresh", 64): 2.0}
-# issue 25's CPU goal: torch.randn(1000) per call at most 3x torch's, i.e. a ratio of at least 1/3
+# the small-call CPU goal: torch.randn(1000) per call at most 3x torch's, i.e. a ratio of at least 1/3
 SMALL_CALL_GOALS = {"randn(1000) per call": 1 / 3}
 SMALL_CALLS = 200  # calls per timed repetition of a small-call row
 KEYSTREAM_SHARE_GOAL = 0.70  # uniform float32 at 64 MiB against the two-thread keystream rate
@@ -78,12 +78,12 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def pair_row(case: str, nbytes: int, make: Callable[[torch.Generator], Callable[[], object]],
              reps: int = REPS, inner: int = 1, goal: float | None = None,
-             extra: dict[str, Callable[[], object]] | None = None) -> dict:
+             extra: Mapping[str, Callable[[], object]] | None = None) -> dict:
     """One row: ember against torch's generator on the same call, ``reps`` interleaved
     repetitions; the ratio is the median of the per-repetition ratios, with their min-max and
     interquartile range, and the load average before and after."""
     ember, plain = create_generator(0), torch.Generator().manual_seed(0)
-    fns = {"ember": make(ember), "torch": make(plain), **(extra or {})}
+    fns = {"ember": make(for_torch(ember)), "torch": make(plain), **(extra or {})}
     load_before = load_average()
     t = interleaved(fns, reps, inner)
     ratios = [b / a for a, b in zip(t["ember"], t["torch"], strict=True)]
@@ -103,7 +103,7 @@ def pair_row(case: str, nbytes: int, make: Callable[[torch.Generator], Callable[
 def keystream_gbps(nbytes: int = 64 * MiB, repeat: int = 5) -> float:
     """Raw AES-128-CTR keystream into a preallocated buffer (the ceiling for ember's output)."""
     buf = np.empty(nbytes, np.uint8)
-    mv = memoryview(buf)
+    mv = buf.data
     aes = get_cipher("aes128")
     return nbytes / _best(lambda: aes.keystream(bytes(16), 0).fill(mv), repeat) / 1e9
 
@@ -115,7 +115,7 @@ def keystream2_call(nbytes: int = 64 * MiB, threads: int = 2) -> Callable[[], No
 
     buf = np.empty(nbytes, np.uint8)
     buf.fill(0)  # fault the pages in now, not in the first timed call
-    mv = memoryview(buf)
+    mv = buf.data
     aes = get_cipher("aes128")
     piece = 4 * MiB
     starts = list(range(0, nbytes, piece))
@@ -132,11 +132,6 @@ def keystream2_call(nbytes: int = 64 * MiB, threads: int = 2) -> Callable[[], No
             f.result()
 
     return both
-
-
-def keystream2_gbps(nbytes: int = 64 * MiB, repeat: int = 5, threads: int = 2) -> float:
-    """Raw keystream on ``threads`` threads (see :func:`keystream2_call`), best of ``repeat``."""
-    return nbytes / _best(keystream2_call(nbytes, threads), repeat) / 1e9
 
 
 def _fresh_cases(nbytes: int):
@@ -252,7 +247,7 @@ def call_overhead_us(number: int = 20000) -> dict[str, float]:
     from . import torch_adapter
 
     original = torch_adapter._ORIGINALS.get((torch, "rand"), torch.rand)
-    plain, ember = torch.Generator(), create_generator(0)
+    plain, ember = torch.Generator(), for_torch(create_generator(0))
     x = torch.empty(4)
 
     def us(fn: Callable[[], object]) -> float:

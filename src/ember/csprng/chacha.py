@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms
 
 from .ciphers import BLOCK_BYTES, register_cipher
 
@@ -43,17 +43,19 @@ class ChaChaUnitWriter:
             raise ValueError(f"expected a 32-byte ChaCha20 key, got {len(key32)} bytes")
         self._key = bytes(key32)
         self._unit = unit
-        self._enc = None
+        self._enc: CipherContext | None = None
         self._left = 0  # units the current context can still produce before its segment ends
 
-    def _open(self) -> None:
+    def _open(self) -> CipherContext:
         q, skip = divmod(self._unit, UNITS_PER_BLOCK)
         # words 12..15 = q (little-endian); OpenSSL increments only word 12, so stop at its wrap
-        self._enc = Cipher(algorithms.ChaCha20(self._key, q.to_bytes(16, "little")),
-                           mode=None).encryptor()
+        enc = Cipher(algorithms.ChaCha20(self._key, q.to_bytes(16, "little")),
+                     mode=None).encryptor()
         self._left = (_SEGMENT - q % _SEGMENT) * UNITS_PER_BLOCK - skip
         if skip:
-            self._enc.update(bytes(skip * BLOCK_BYTES))
+            enc.update(bytes(skip * BLOCK_BYTES))
+        self._enc = enc
+        return enc
 
     def fill(self, out: memoryview) -> None:
         """Write the next ``len(out) // 16`` units (``len(out)`` is a multiple of 16)."""
@@ -61,11 +63,12 @@ class ChaChaUnitWriter:
         if n % BLOCK_BYTES:
             raise ValueError(f"fill: expected a multiple of {BLOCK_BYTES} bytes, got {n}")
         off = 0
+        enc = self._enc
         while off < n:
-            if self._left == 0:
-                self._open()
+            if self._left == 0 or enc is None:
+                enc = self._open()
             step = min(n - off, self._left * BLOCK_BYTES, len(_ZEROS))
-            self._enc.update_into(_ZEROS[:step], out[off:off + step])
+            enc.update_into(_ZEROS[:step], out[off:off + step])
             off += step
             self._left -= step // BLOCK_BYTES
             self._unit += step // BLOCK_BYTES

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from . import spec
 from .stream import renew_lock_after_fork
 from .views import array_view
 
@@ -43,7 +44,7 @@ _NUMPY = {
     torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
     torch.float32: np.float32, torch.float64: np.float64,
 }
-_WORD = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORD: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 # random_() with no range: (word bytes, modulus) per dtype; bool keeps the low bit
 _FULL_RANGE = {
@@ -90,7 +91,8 @@ def _store(out: torch.Tensor, lo: int, hi: int, values: np.ndarray) -> None:
     dtype = out.dtype
     flat = out.view(-1)
     if dtype in (torch.float16, torch.bfloat16) and values.dtype != np.float32:
-        values = values.astype(np.float32)
+        with np.errstate(over="ignore"):  # past float's range: inf, as C++'s cast gives
+            values = values.astype(np.float32)
     if dtype == torch.bfloat16:
         flat[lo:hi].copy_(torch.from_numpy(values))
         return
@@ -98,7 +100,8 @@ def _store(out: torch.Tensor, lo: int, hi: int, values: np.ndarray) -> None:
     if dtype == torch.bool:
         np.not_equal(values, 0, out=dst[lo:hi])
     else:
-        dst[lo:hi] = values.astype(_NUMPY[dtype], copy=False)
+        with np.errstate(over="ignore"):  # past the dtype's range: inf, as C++'s cast gives
+            dst[lo:hi] = values.astype(_NUMPY[dtype], copy=False)
 
 
 class MT19937Sampler:
@@ -304,14 +307,24 @@ class MT19937Sampler:
         out.view(-1).copy_(torch.tensor(perm, dtype=torch.int64))
 
     # ------------------------------------------------------------------ not in torchcsprng
-    def bernoulli_(self, out: torch.Tensor, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(_missing("bernoulli_"))
-
     def multinomial(self, *args: object, **kwargs: object) -> torch.Tensor:
         raise NotImplementedError(_missing("multinomial"))
 
     def poisson(self, *args: object, **kwargs: object) -> torch.Tensor:
         raise NotImplementedError(_missing("poisson"))
+
+
+def _refusal(op: str) -> Callable[..., None]:
+    def missing(self: MT19937Sampler, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(_missing(op))
+
+    missing.__name__ = op
+    return missing
+
+
+for _d in spec.DISTRIBUTIONS:  # the distributions torchcsprng did not have (bernoulli_)
+    if not _d.compat:
+        setattr(MT19937Sampler, _d.method, _refusal(_d.method))
 
 
 def _missing(op: str) -> str:

@@ -56,7 +56,7 @@ def _check_device(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be on the CPU or a CUDA device, got device {t.device}")
 
 
-def _refuse_host_route(op: str, *tensors: torch.Tensor) -> None:
+def _refuse_host_route(op: str, *tensors: torch.Tensor | bytes) -> None:
     """Refuse a call on CUDA tensors during CUDA graph capture: the capture cannot hold its host
     work (reading the data or key, uploading a key table), and a replay would reuse its result
     (for GCM, its nonce)."""
@@ -360,9 +360,9 @@ def decrypt_gcm(
                 "decrypt_gcm: nonce, tag, dtype and shape come from the GCMCiphertext; don't "
                 "pass them separately"
             )
-        ciphertext, nonce, tag, dtype, shape = (ciphertext.ciphertext, ciphertext.nonce,
-                                                ciphertext.tag, ciphertext.dtype,
-                                                ciphertext.shape)
+        sealed = ciphertext
+        ciphertext, nonce, tag, dtype, shape = (sealed.ciphertext, sealed.nonce, sealed.tag,
+                                                sealed.dtype, sealed.shape)
     elif dtype is None or shape is None:
         raise TypeError("decrypt_gcm: dtype= and shape= are required with a ciphertext tensor "
                         "(they are authenticated with the data)")

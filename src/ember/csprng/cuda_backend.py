@@ -26,21 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import distributions
+from . import distributions, spec
 from .distributions import NativeSampler, blocks_for, default_range
 from .stream import BlockStream, derive_key
 
-SUPPORTED_METHODS = (
-    "uniform_",
-    "normal_",
-    "log_normal_",
-    "exponential_",
-    "cauchy_",
-    "geometric_",
-    "random_",
-    "random_range_",
-    "bernoulli_",
-)
+SUPPORTED_METHODS = tuple(d.method for d in spec.DISTRIBUTIONS if d.triton)
 MAX_LANES = 1 << 30  # cipher blocks per launch; larger fills take the CPU path
 _FLOAT_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
@@ -169,11 +159,6 @@ def cipher_table(cipher: str, key: bytes) -> np.ndarray:
     return words.view(np.int32)
 
 
-def chacha_table(key32: bytes) -> np.ndarray:
-    """The int32 table for a raw 32-byte ChaCha20 key (for test vectors)."""
-    return np.frombuffer(key32, dtype="<u4").astype(np.uint32).view(np.int32)
-
-
 # ---------------------------------------------------------------------------- kernels
 _KERNELS: dict[bool, ModuleType] = {}
 _KERNELS_LOCK = threading.Lock()
@@ -192,12 +177,15 @@ def kernels(interpret: bool) -> ModuleType:
         else:  # a second copy of the module, decorated in the other mode
             name = f"{__package__}._triton_kernels_{'interpreted' if interpret else 'compiled'}"
             spec = importlib.util.spec_from_file_location(name, triton_kernels.__file__)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load a second copy of {triton_kernels.__file__}")
+            loader = spec.loader
             mod = importlib.util.module_from_spec(spec)
             old = os.environ.get("TRITON_INTERPRET")
             os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
             try:
                 sys.modules[name] = mod
-                spec.loader.exec_module(mod)
+                loader.exec_module(mod)
             finally:
                 if old is None:
                     del os.environ["TRITON_INTERPRET"]
@@ -714,10 +702,7 @@ class CaptureError(RuntimeError):
 
 
 # sampler methods as a torch user calls them, for messages
-_OP_NAMES = {m: f"Tensor.{m}" for m in ("log_normal_", "exponential_", "cauchy_", "geometric_",
-                                         "bernoulli_", "random_")}
-_OP_NAMES.update(uniform_="Tensor.uniform_ (torch.rand)", normal_="Tensor.normal_ (torch.randn)",
-                 random_range_="Tensor.random_ (torch.randint)", randperm_="torch.randperm")
+_OP_NAMES = {d.method: d.op_name for d in spec.DISTRIBUTIONS}
 
 
 def refuse_capture(op: str = "a draw") -> None:
@@ -797,7 +782,9 @@ def cuda_fill(sampler: Any, tensor: torch.Tensor, method: str, params: tuple) ->
     return triton_fill_(sampler, tensor, method, params, interpret=False)
 
 
-_DEFAULTS = {"uniform_": ((), (0.0, 1.0)), "normal_": ((), (0.0, 1.0)), "exponential_": ((), (1.0,))}
+# the NVRTC methods' default arguments (with none given too), which need no check
+_DEFAULTS = {d.method: ((), d.defaults) for d in spec.DISTRIBUTIONS
+             if d.nvrtc and d.params and None not in d.defaults}
 
 
 def _default_args(method: str, params: tuple) -> bool:

@@ -20,13 +20,11 @@ from typing import Any
 import torch
 
 from . import nvrtc_kernels as nk
+from . import spec
 from .distributions import NativeSampler, blocks_for, default_range
 from .stream import BlockStream, derive_key
 
-FAST_METHODS = frozenset(
-    ("uniform_", "normal_", "log_normal_", "exponential_", "random_", "random_range_", "bernoulli_")
-)
-MAX_UNITS = 1 << 40  # larger fills are split by nobody: they take another path
+FAST_METHODS = frozenset(d.method for d in spec.DISTRIBUTIONS if d.nvrtc)
 _KIND = {
     torch.float32: nk.K_F32, torch.float64: nk.K_F64, torch.float16: nk.K_F16, torch.bfloat16: nk.K_BF16,
     torch.int64: nk.K_I64, torch.int32: nk.K_I32, torch.int16: nk.K_I16, torch.int8: nk.K_I8,
@@ -71,9 +69,7 @@ def _keyed(cipher: str, key: bytes) -> nk.Params:
     return p
 
 
-_OPS = {"uniform_": ("uniform",), "normal_": ("normal",), "log_normal_": ("normal",),
-        "exponential_": ("exponential",), "random_": ("integer", "refill"),
-        "random_range_": ("integer", "refill"), "bernoulli_": ("bernoulli",)}
+_OPS = {d.method: d.nvrtc for d in spec.DISTRIBUTIONS if d.nvrtc}
 
 
 @lru_cache(maxsize=64)
@@ -185,7 +181,9 @@ def _below(b: float, dtype: torch.dtype) -> float:
 @lru_cache(maxsize=256)
 def _normal_consts(f64: bool, mean: float, std: float) -> tuple[float, float, float, float]:
     bits = 53 if f64 else 24
-    return tuple(_round(v, not f64) for v in (2.0**-bits, 2.0 * math.pi * 2.0**-bits, std, mean))
+    scale, angle, s, m = (_round(v, not f64) for v in (2.0**-bits, 2.0 * math.pi * 2.0**-bits,
+                                                        std, mean))
+    return scale, angle, s, m
 
 
 def _normal_family(log: bool):

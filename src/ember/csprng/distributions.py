@@ -9,17 +9,19 @@ sizes and dtypes involved, never on the values drawn.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 import torch
 
-from . import shuffle, small, transforms
+from . import shuffle, small, spec, transforms
 from .ciphers import BLOCK_BYTES
 from .stream import BlockStream, Draw
 from .views import array_view, flat_view
@@ -34,6 +36,30 @@ _WORD64 = (torch.int64, getattr(torch, "uint64", torch.int64))  # written as raw
 # torch fills these only with ranged integers (randint, random_(from, to))
 _UINT_DTYPES = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
 _MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+def _overflow_to_inf() -> np.errstate:
+    """Values past a dtype's range become inf, as torch's kernels make them, without NumPy's
+    overflow warning (helper threads do not inherit the caller's state: each enters its own)."""
+    return np.errstate(over="ignore")
+
+
+_NO_OVERFLOW = contextlib.nullcontext()
+# the largest finite value of each float dtype
+_FINITE_MAX = {d: torch.finfo(d).max for d in (torch.float16, torch.bfloat16, torch.float32,
+                                               torch.float64)}
+# bounds of |z| for a standard normal and of |tan(pi (u - 1/2))| for a Cauchy value, over every
+# keystream word (float64's 53-bit grids; float32's are smaller)
+_NORMAL_BOUND = 9.0
+_TAN_BOUND = 6e15
+
+
+def _overflow_if(dtype: torch.dtype, bound: float) -> contextlib.AbstractContextManager:
+    """:func:`_overflow_to_inf` where a value as large as ``bound`` would pass the range of
+    ``dtype``; else nothing to enter (NumPy's error state costs microseconds per call)."""
+    if not bound < _FINITE_MAX.get(dtype, 0.0) / 2:
+        return _overflow_to_inf()
+    return _NO_OVERFLOW
 
 
 def blocks_for(nbytes: int) -> int:
@@ -79,17 +105,17 @@ def _chunks(draw: Draw, lo: int, hi: int, words_per_item: int, word_dtype: type,
     buf = _words(min(hi - lo, step) * words_per_item, word_dtype) if into is None else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
-        if into is None:
+        if buf is not None:
             w = buf[: (b - a) * words_per_item]
-        else:
-            w = into[(a - lo) * words_per_item: (b - lo) * words_per_item]
+        else:  # buf is None exactly when into is given
+            w = cast(np.ndarray, into)[(a - lo) * words_per_item: (b - lo) * words_per_item]
         draw.fill(_bytes(w))
         yield a, b, w
 
 
 _SIGNED = {np.dtype(f"{order}u{size}"): np.dtype(f"{order}i{size}")
            for order in "<>=" for size in (1, 2, 4, 8)}
-_ITEMSIZE = {np.uint16: 2, np.uint32: 4, np.uint64: 8}
+_ITEMSIZE: dict[type, int] = {np.uint16: 2, np.uint32: 4, np.uint64: 8}
 
 
 def _signed(w: np.ndarray) -> np.ndarray:
@@ -127,7 +153,7 @@ def _words(n: int, word_dtype: type) -> np.ndarray:
 def _bytes(w: np.ndarray) -> memoryview:
     """The bytes of a contiguous word array, for ``Draw.fill`` (which completes a partial last
     block itself)."""
-    return memoryview(w.view(np.uint8))
+    return w.view(np.uint8).data
 
 
 # Draws of at least this much keystream are split across threads (OpenSSL and NumPy release the
@@ -218,6 +244,10 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
             return i
 
     def run(helper: bool) -> None:
+        with _overflow_to_inf():
+            work(helper)
+
+    def work(helper: bool) -> None:
         buf = _words(step * words_per_item, word_dtype) if into is None else None
         while not errors:
             i = claim(helper)
@@ -227,10 +257,10 @@ def _share_chunks(draw: Draw, n: int, words_per_item: int, word_dtype: type, bod
                 a = i * step
                 b = min(a + step, n)
                 nb = (b - a) * wbytes
-                if into is None:
+                if buf is not None:
                     w = buf[: (b - a) * words_per_item]
-                else:
-                    w = into[a * words_per_item: b * words_per_item]
+                else:  # buf is None exactly when into is given
+                    w = cast(np.ndarray, into)[a * words_per_item: b * words_per_item]
                 draw.part(a * wbytes // BLOCK_BYTES, blocks_for(nb)).fill(_bytes(w))
                 body(a, b, w)
             except BaseException as exc:  # re-raised on the calling thread
@@ -358,16 +388,22 @@ class NativeSampler:
         if out.dtype not in FLOAT_DTYPES:
             _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
-        if not std >= 0.0:
-            raise ValueError(f"normal_: expected std >= 0, got {std}")
-        self._normal(out, mean, std, log=False)
+        if not std >= 0.0:  # the record's rule, with its message
+            spec.check_params("normal_", (mean, std))
+        if abs(mean) + _NORMAL_BOUND * std < _FINITE_MAX[out.dtype] / 2:  # the common case
+            self._normal(out, mean, std, log=False)
+            return
+        with _overflow_to_inf():
+            self._normal(out, mean, std, log=False)
 
     def log_normal_(self, out: torch.Tensor, mean: float = 1.0, std: float = 2.0) -> None:
         _check_dtype("log_normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
         if not std > 0.0:
-            raise ValueError(f"log_normal_: expected std > 0, got {std}")
-        self._normal(out, mean, std, log=True)
+            spec.check_params("log_normal_", (mean, std))
+        top = mean + _NORMAL_BOUND * std  # the largest log of a value
+        with _overflow_if(out.dtype, math.exp(top) if top < 700.0 else math.inf):
+            self._normal(out, mean, std, log=True)
 
     def normal_foreach_(self, outs: list[torch.Tensor], mean: float = 0.0, std: float = 1.0) -> None:
         """``normal_(out, mean, std)`` for each contiguous CPU tensor of ``outs`` in order (the same
@@ -377,7 +413,7 @@ class NativeSampler:
             _check_dtype("normal_", out.dtype, FLOAT_DTYPES)
         mean, std = float(mean), float(std)
         if not std >= 0.0:
-            raise ValueError(f"normal_: expected std >= 0, got {std}")
+            spec.check_params("normal_", (mean, std))
         sizes = []
         for out in outs:
             word = _compute(out.dtype)[0]
@@ -388,7 +424,7 @@ class NativeSampler:
         if small_blocks:
             # the small tensors' keystream, one cipher call per run of consecutive small tensors
             # (a large tensor between two small ones splits the run; it is filled on its own)
-            view, at, pos, run = memoryview(buf), 0, start, None
+            view, at, pos, run = buf.data, 0, start, None
             for nb in [*sizes, None]:
                 small_one = nb is not None and nb * BLOCK_BYTES <= CHUNK_BYTES
                 if small_one and run is None:
@@ -408,7 +444,7 @@ class NativeSampler:
                     batch.setdefault(out.dtype, []).append((out, at))
                 else:
                     self._normal(out, mean, std, False,
-                                 _BufferDraw(memoryview(buf)[at: at + nb * BLOCK_BYTES]))
+                                 _BufferDraw(buf.data[at: at + nb * BLOCK_BYTES]))
                 at += nb * BLOCK_BYTES
             else:
                 self._normal(out, mean, std, False, Draw(self.stream, pos, nb))
@@ -490,7 +526,7 @@ class NativeSampler:
     def exponential_(self, out: torch.Tensor, lambd: float = 1.0) -> None:
         lambd = float(lambd)
         if not lambd > 0.0:
-            raise ValueError(f"exponential_: expected lambd > 0, got {lambd}")
+            spec.check_params("exponential_", (lambd,))
 
         def tf(u: np.ndarray, cd: type) -> None:  # -log(u) / lambd, u in (0, 1]
             np.log(u, out=u)
@@ -498,12 +534,13 @@ class NativeSampler:
             np.minimum(u, cd(-np.finfo(cd).eps / 2), out=u)
             np.multiply(u, cd(-1.0 / lambd), out=u)
 
-        self._unit_open(out, "exponential_", 1.0, tf)
+        with _overflow_if(out.dtype, 40.0 / lambd):  # -log(u) <= 37 for every word
+            self._unit_open(out, "exponential_", 1.0, tf)
 
     def cauchy_(self, out: torch.Tensor, median: float = 0.0, sigma: float = 1.0) -> None:
         median, sigma = float(median), float(sigma)
         if not sigma > 0.0:
-            raise ValueError(f"cauchy_: expected sigma > 0, got {sigma}")
+            spec.check_params("cauchy_", (median, sigma))
 
         def tf(u: np.ndarray, cd: type) -> None:  # median + sigma * tan(pi * (u - 1/2)), u in (0, 1)
             np.subtract(u, cd(0.5), out=u)
@@ -512,7 +549,8 @@ class NativeSampler:
             np.multiply(u, cd(sigma), out=u)
             np.add(u, cd(median), out=u)
 
-        self._unit_open(out, "cauchy_", 0.5, tf)
+        with _overflow_if(out.dtype, abs(median) + sigma * _TAN_BOUND):
+            self._unit_open(out, "cauchy_", 0.5, tf)
 
     def geometric_(self, out: torch.Tensor, p: float) -> None:
         _check_dtype("geometric_", out.dtype, FLOAT_DTYPES + _INT_DTYPES)
@@ -606,7 +644,7 @@ class NativeSampler:
                     rejected.append(bad + lo)
                 if offset:
                     np.add(x, offset, out=x)
-            if dst is None:
+            if sink is not None:  # else the values were written into the output itself
                 sink.write(lo, hi, x.view(np.int64))
 
         _drive(draw, n, 1, word, body)
@@ -623,7 +661,7 @@ class NativeSampler:
         while positions.size:
             d = refill._draw(positions.size * (8 if wide else 4))
             w = np.empty(positions.size, word)
-            d.fill(memoryview(w.view(np.uint8)))
+            d.fill(w.view(np.uint8).data)
             x = np.empty(positions.size, np.uint64)
             bad = _bounded(w, r, x)
             np.add(x, offset, out=x)
@@ -682,7 +720,7 @@ class NativeSampler:
             if thr_scalar is not None:
                 np.less(w, thr_scalar, out=rc)
             else:
-                pc = pn[lo:hi]
+                pc = cast(np.ndarray, pn)[lo:hi]  # thr_scalar is None exactly when pn is given
                 ones = pc >= 1.0
                 thr = np.ldexp(np.where(ones, 0.0, pc), 64).astype(np.uint64)
                 np.less(w, thr, out=rc)
@@ -704,7 +742,7 @@ class NativeSampler:
         if n == 0:
             return
         words = np.empty(2 * n, np.uint32)
-        draw.fill(memoryview(words.view(np.uint8)))
+        draw.fill(words.view(np.uint8).data)
         if n == 1:
             out.view(-1).fill_(0)
             return
@@ -715,7 +753,7 @@ class NativeSampler:
 
         def more(k: int) -> np.ndarray:
             w = np.empty(k, np.uint32)
-            refill._draw(k * 4).fill(memoryview(w.view(np.uint8)))
+            refill._draw(k * 4).fill(w.view(np.uint8).data)
             return w
 
         threads = _threads(n * 8)
@@ -741,7 +779,11 @@ class NativeSampler:
         pn = flat_view(p).reshape(rows, k)
         if not np.isfinite(pn).all() or (pn < 0).any():
             raise ValueError("multinomial: probabilities must be finite and non-negative")
-        sums = pn.sum(axis=1)
+        with _overflow_to_inf():
+            sums = pn.sum(axis=1)
+        if not np.isfinite(sums).all():  # weights summing past float64: the same weights scaled
+            pn = pn / pn.max(axis=1, keepdims=True)
+            sums = pn.sum(axis=1)
         if (sums <= 0).any():
             raise ValueError("multinomial: every row must have a positive sum")
         if not replacement and num_samples > k:
@@ -749,7 +791,7 @@ class NativeSampler:
                              f"{k} categories without replacement")
         nwords = rows * (num_samples if replacement else k)
         w = np.empty(nwords, "<u8")
-        self._draw(nwords * 8).fill(memoryview(w.view(np.uint8)))
+        self._draw(nwords * 8).fill(w.view(np.uint8).data)
         u = (w & np.uint64((1 << 53) - 1)).astype(np.float64)
         if replacement:
             # inversion: u in [0, 1) against the normalised cumulative weights of each row
@@ -765,7 +807,7 @@ class NativeSampler:
             np.add(u, 1.0, out=u)
             np.multiply(u, 2.0**-53, out=u)
             keys = -np.log(u).reshape(rows, k)
-            with np.errstate(divide="ignore"):
+            with np.errstate(divide="ignore", over="ignore"):  # a tiny weight's key: inf
                 keys = np.where(pn > 0, keys / np.where(pn > 0, pn, 1.0), np.inf)
             order = np.argsort(keys, axis=1, kind="stable")
             res = np.ascontiguousarray(order[:, :num_samples]).astype(np.int64)
@@ -811,7 +853,7 @@ POISSON_PTRS_RATE = 10.0  # rates from here on use PTRS (as NumPy does)
 def _u53_pairs(draw: Draw, n: int) -> np.ndarray:
     """``n`` pairs of uniforms ``(w & (2**53 - 1)) * 2**-53`` from ``2n`` 64-bit words."""
     w = np.empty(2 * n, "<u8")
-    draw.fill(memoryview(w.view(np.uint8)))
+    draw.fill(w.view(np.uint8).data)
     return ((w & np.uint64((1 << 53) - 1)).astype(np.float64) * 2.0**-53).reshape(n, 2)
 
 

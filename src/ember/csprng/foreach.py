@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import patch
 from .distributions import NativeSampler
 from .generator import Generator
 
@@ -48,7 +49,7 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
         sampler.normal_foreach_(tensors, mean, std)
         for t in tensors:
             if t.numel():
-                torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+                patch.bump_version(t)
         return tensors
     if tensors and type(sampler) is NativeSampler and _one_launch(sampler, tensors, None):
         from . import cuda_fast

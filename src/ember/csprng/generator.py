@@ -14,7 +14,7 @@ import os
 import pickle
 import threading
 import weakref
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import torch
 
@@ -40,9 +40,10 @@ _CPU = torch.device("cpu")
 
 
 class InheritedStateUsed(RuntimeError):
-    """Kept for compatibility with ember < 0.3, whose generator subclassed ``torch.Generator`` and
-    reported draws from its inherited state with this error. The generator no longer has such a
-    state (unrouted torch paths now raise at once), so ember itself no longer raises it."""
+    """A draw from a state the generator does not have. ember's generator is not a
+    ``torch.Generator`` and has no inherited state: torch paths that ember does not route raise
+    at once instead, so ember itself never raises this; it stays importable for code that
+    catches it."""
 
 
 class Generator:
@@ -76,7 +77,7 @@ class Generator:
         _RESEED_AFTER_FORK.discard(self)
         self._kind = kind
         self._seed = seed
-        self._stream = BlockStream(key, counter, cipher)
+        self._stream: BlockStream | None = BlockStream(key, counter, cipher)
         self._sampler: Any = NativeSampler(self._stream)
         self._from_os = from_os
         if from_os and seed is not None:  # seeded from the OS by seed(): a child re-seeds
@@ -163,7 +164,7 @@ class Generator:
         self._set_stream("seeded", key_from_seed(seed), 0, self.cipher, from_os=True, seed=seed)
         return seed
 
-    def initial_seed(self) -> int:  # type: ignore[override]
+    def initial_seed(self) -> int:
         """The seed the current key was derived from."""
         if self._seed is None:
             raise RuntimeError(
@@ -173,25 +174,25 @@ class Generator:
             )
         return self._seed
 
-    def get_state(self) -> torch.Tensor:  # type: ignore[override]
+    def get_state(self) -> torch.Tensor:
         """The full state (kind, key, counter, spawn count, seed) as a uint8 tensor."""
         # a copy in torch's own memory: resizable like torch's get_state (frombuffer's is not)
         return torch.frombuffer(bytearray(self._state_bytes()), dtype=torch.uint8).clone()
 
-    def set_state(self, new_state: torch.Tensor) -> Generator:  # type: ignore[override]
+    def set_state(self, new_state: torch.Tensor) -> Generator:
         """Restore a state returned by :meth:`get_state` (of any ember generator)."""
         if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
             raise TypeError("set_state: expected a uint8 tensor from ember's get_state()")
         self._load_state_bytes(tensor_bytes(new_state))
         return self
 
-    def graphsafe_get_state(self):  # type: ignore[override]
+    def graphsafe_get_state(self):
         raise NotImplementedError("ember.csprng.Generator has no CUDA-graph state")
 
-    def graphsafe_set_state(self, state):  # type: ignore[override]
+    def graphsafe_set_state(self, state):
         raise NotImplementedError("ember.csprng.Generator has no CUDA-graph state")
 
-    def clone_state(self):  # type: ignore[override]
+    def clone_state(self):
         raise NotImplementedError("use get_state()/set_state() to copy an ember.csprng state")
 
     # ------------------------------------------------------------------ substreams
@@ -286,7 +287,7 @@ class Generator:
                              f"expected one of {cipher_names()}")
         return name
 
-    def __reduce_ex__(self, protocol: int):
+    def __reduce_ex__(self, protocol: SupportsIndex):
         if self._from_os and not self.allow_pickle:
             raise pickle.PicklingError(
                 "refusing to pickle/copy an OS-keyed ember.csprng.Generator: a copy would repeat "
@@ -392,6 +393,12 @@ def create_mt19937_generator(seed: int | None = None) -> Generator:
     g = Generator()
     g._set_compat(MT19937Sampler(seed))
     return g
+
+
+def for_torch(g: Generator) -> torch.Generator:
+    """``g`` as type checkers should see it where torch's stubs ask for a ``torch.Generator``:
+    the routed functions take an ember generator in its place."""
+    return cast(torch.Generator, g)
 
 
 def is_generator(obj: Any) -> bool:

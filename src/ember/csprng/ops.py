@@ -12,13 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
+from . import spec
 from .distributions import NativeSampler
 from .stream import BlockStream
 from .views import tensor_bytes
 
 STATE_BYTES = 33  # 16-byte key, then the block counter as 17 little-endian bytes
-_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_", "geometric_",
-            "bernoulli_", "random_", "random_range_", "randperm_")
+_METHODS = spec.fill_methods()
 
 
 def _stream_from(state: torch.Tensor) -> BlockStream:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .generator import Generator
+from . import patch
+from .generator import Generator, for_torch
 
 
 def sparse_(tensor: torch.Tensor, sparsity: float, std: float = 0.01,
@@ -32,9 +33,9 @@ def sparse_(tensor: torch.Tensor, sparsity: float, std: float = 0.01,
     rows, cols = tensor.shape
     num_zeros = math.ceil(sparsity * rows)
     with torch.no_grad():
-        tensor.normal_(0, std, generator=generator)
+        tensor.normal_(0, std, generator=for_torch(generator))
         for col in range(cols):
-            zero_rows = torch.randperm(rows, generator=generator)[:num_zeros]
+            zero_rows = torch.randperm(rows, generator=for_torch(generator))[:num_zeros]
             tensor[zero_rows, col] = 0
     return tensor
 
@@ -46,7 +47,8 @@ def _has_random_datapipe(dataset: Any) -> bool:
     from torch.utils.data import graph, graph_settings
 
     pipes = graph_settings.get_all_graph_pipes(graph.traverse_dps(dataset))
-    return any(graph_settings._is_random_datapipe(p) for p in pipes)
+    is_random = patch.get("torch.utils.data.graph_settings._is_random_datapipe")
+    return any(is_random(p) for p in pipes)
 
 
 def _refuse_datapipe_seeding(original_init: Any) -> Any:
@@ -72,14 +74,13 @@ def install(originals: dict) -> None:
 
     # references to torch's sparse_ taken before this (`from torch.nn.init import sparse_`, and
     # the deprecated `sparse` made from it) keep calling it: its normal_ call refuses ember
-    _EARLY_BOUND_CODES.add(_ORIGINAL_SPARSE.__code__)
+    if _ORIGINAL_SPARSE.__code__ not in _EARLY_BOUND_CODES:
+        _EARLY_BOUND_CODES.append(_ORIGINAL_SPARSE.__code__)
     originals[(init, "sparse_")] = init.sparse_
     init.sparse_ = sparse_
     if hasattr(init, "sparse"):  # the deprecated alias calls the function it was made from
         originals[(init, "sparse")] = init.sparse
-        init.sparse = init._make_deprecate(sparse_)
-    from torch.utils.data import dataloader
-
-    cls = dataloader._BaseDataLoaderIter
+        init.sparse = patch.get("torch.nn.init._make_deprecate")(sparse_)
+    cls = patch.get("torch.utils.data.dataloader._BaseDataLoaderIter")
     originals[(cls, "__init__")] = cls.__init__
     cls.__init__ = _refuse_datapipe_seeding(cls.__init__)

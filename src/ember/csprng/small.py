@@ -40,7 +40,7 @@ def _words(stream: BlockStream, n: int, size: int) -> tuple[int, tuple[int, ...]
 
 
 def _write(out: torch.Tensor, values: list) -> None:
-    struct.pack_into(f"={len(values)}{_CODE[out.dtype]}", flat_view(out), 0, *values)
+    struct.pack_into(f"={len(values)}{_CODE[out.dtype]}", flat_view(out).data, 0, *values)
 
 
 def uniform(stream: BlockStream, out: torch.Tensor, n: int, a: float, b: float,

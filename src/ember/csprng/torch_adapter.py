@@ -12,19 +12,22 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import warnings
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
 
-from . import pages
+from . import pages, patch, spec
 from .generator import Generator
 from .pages import advise_fresh
+from .spec import InvalidArgument, UnsupportedDtype, UnsupportedLayout
 from .stream import CounterExhausted
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 # device type -> fill(generator, tensor, method, params) for tensors on that device
-_DEVICE_BACKENDS: dict[str, Callable[..., None]] = {}
+_DEVICE_BACKENDS: dict[str, Callable[..., bool]] = {}
 
 
 def register_device_backend(device_type: str, fill: Callable[..., bool]) -> None:
@@ -33,20 +36,6 @@ def register_device_backend(device_type: str, fill: Callable[..., bool]) -> None
     It returns False to fall back to generating on the CPU and copying.
     """
     _DEVICE_BACKENDS[device_type] = fill
-
-
-class InvalidArgument(RuntimeError, ValueError):
-    """A bad argument to a random function: torch raises RuntimeError for it (also a ValueError)."""
-
-
-class UnsupportedDtype(NotImplementedError, TypeError):
-    """A dtype the distribution does not support: torch raises NotImplementedError (also a
-    TypeError)."""
-
-
-class UnsupportedLayout(NotImplementedError, TypeError):
-    """A tensor layout the draws do not fill (sparse, ...): torch raises NotImplementedError (also
-    a TypeError)."""
 
 
 def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -59,78 +48,6 @@ def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         raise InvalidArgument(str(e)) from e
 
 
-_FLOAT_METHODS = ("uniform_", "normal_", "log_normal_", "exponential_", "cauchy_")
-
-
-_UINTS = tuple(getattr(torch, f"uint{b}") for b in (16, 32, 64) if hasattr(torch, f"uint{b}"))
-# methods torch refuses for complex tensors, and the error type it raises
-_REAL_ONLY = {"bernoulli_": "UnsupportedDtype", "geometric_": "UnsupportedDtype",
-              "log_normal_": "UnsupportedDtype", "exponential_": "InvalidArgument",
-              "cauchy_": "InvalidArgument"}
-
-
-_RANDPERM_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                   torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_dtype(t: torch.Tensor, method: str, params: tuple) -> None:
-    if str(t.dtype).startswith(("torch.float8", "torch.float4")):
-        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
-    if method == "randperm_" and t.dtype not in _RANDPERM_DTYPES:
-        raise UnsupportedDtype(f"randperm: not implemented for {t.dtype} (torch raises too)")
-    if method in _FLOAT_METHODS and not (t.is_floating_point() or t.is_complex()):
-        if method in ("exponential_", "cauchy_"):  # torch raises RuntimeError for these two
-            raise InvalidArgument(f"{method}: the distribution is continuous; the dtype must be "
-                                  f"floating-point, got {t.dtype}")
-        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
-    if method == "geometric_" and params and _is_number(params[0]) and not (
-            0.0 < float(params[0]) < 1.0):
-        raise InvalidArgument(f"geometric_ expects p to be in (0, 1), but got p={params[0]}")
-    if method in ("random_", "bernoulli_", "geometric_") and t.dtype in _UINTS:
-        raise UnsupportedDtype(f"{method}: not implemented for {t.dtype} (torch raises too)")
-    if method in _REAL_ONLY and t.is_complex():
-        error = UnsupportedDtype if _REAL_ONLY[method] == "UnsupportedDtype" else InvalidArgument
-        raise error(f"{method}: not implemented for complex dtype {t.dtype} (torch raises too)")
-    if method in ("random_", "random_range_") and t.is_complex():
-        if method == "random_":
-            raise UnsupportedDtype(f"random_: not implemented for {t.dtype}")
-        raise InvalidArgument("random_ with bounds handles only integral, floating-point and "
-                              f"boolean types, got {t.dtype}")
-    if method == "bernoulli_" and params and isinstance(params[0], torch.Tensor) and not (
-            params[0].is_floating_point() or params[0].is_complex()):
-        raise UnsupportedDtype(f"bernoulli_: not implemented for p of dtype {params[0].dtype} "
-                               "(torch raises too)")
-    if method == "uniform_" and t.is_floating_point() and len(params) == 2:
-        _check_uniform_bounds(t.dtype, *params)
-    if method in ("normal_", "log_normal_") and len(params) == 2 and _isnan(params[1]):
-        raise InvalidArgument(f"{method} expects std >= 0.0, but found std nan")
-
-
-def _check_uniform_bounds(dtype: torch.dtype, low: Any, high: Any) -> None:
-    """torch's checks of uniform_'s bounds: each within the dtype's finite range, and the width
-    too (else the values would be inf)."""
-    try:
-        low, high = float(low), float(high)
-    except (TypeError, ValueError):
-        return  # the sampler refuses it with the argument named
-    info = torch.finfo(dtype)
-    for name, v in (("from", low), ("to", high)):
-        if v < info.min or v > info.max:
-            raise InvalidArgument(f"uniform_: {name} is out of bounds for {dtype}, got {name}={v} "
-                                  f"(finite range {info.min}..{info.max})")
-    if high - low > info.max:
-        raise InvalidArgument(f"uniform_ expects to-from <= {info.max} (the largest {dtype}), but "
-                              f"found to={high} and from={low}, which exceed it")
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _isnan(x: Any) -> bool:
-    return isinstance(x, float) and x != x
-
-
 def _ember(generator: Any) -> bool:
     return generator is not None and isinstance(generator, Generator)
 
@@ -139,7 +56,7 @@ def _bump_version(t: torch.Tensor) -> None:
     # NumPy wrote into the tensor's memory behind autograd's back: record it as a modification
     # (inference tensors have no version counter to record it in)
     if not t.is_inference():
-        torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+        patch.bump_version(t)
 
 
 def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
@@ -149,14 +66,8 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     ``fresh`` says that ``t`` was just created here, so no one else can hold it: no autograd
     checks and no version bump are needed.
     """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:  # torch has no random kernels for other layouts either
-        raise UnsupportedLayout(f"{method}: only strided tensors are supported, got {t.layout}")
-    if not fresh and t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
-        raise RuntimeError(
-            "a leaf Variable that requires grad is being used in an in-place operation.")
-    _check_dtype(t, method, params)
+    _check_writable(t, method, fresh)
+    spec.check(method, t.dtype, params)
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
     sampler = generator.sampler()
@@ -192,6 +103,22 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     getattr(sampler, method)(tmp, *params)
     t.copy_(tmp)
     return t
+
+
+def _check_writable(t: Any, method: str, fresh: bool) -> None:
+    """Raise as torch does for an in-place draw into ``t`` that torch refuses."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:  # torch has no random kernels for other layouts either
+        raise UnsupportedLayout(f"{method}: only strided tensors are supported, got {t.layout}")
+    if fresh:  # made here: nobody else holds it
+        return
+    if t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
+        raise RuntimeError(
+            "a leaf Variable that requires grad is being used in an in-place operation.")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{method}: Inplace update to inference tensor outside InferenceMode "
+                           "is not allowed (torch raises too); make a clone to get a normal tensor")
 
 
 def _refuse_capture(op: str, *args: Any) -> None:
@@ -408,20 +335,20 @@ def _randn_like(input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 
 def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
-    args = list(args)
-    if "size" not in kwargs and args and isinstance(args[-1], (tuple, list, torch.Size)):
-        kwargs["size"] = args.pop()
+    rest = list(args)
+    if "size" not in kwargs and rest and isinstance(rest[-1], (tuple, list, torch.Size)):
+        kwargs["size"] = rest.pop()
     if "high" in kwargs:
         high = kwargs.pop("high")
-        low = kwargs.pop("low", args.pop(0) if args else 0)
-    elif len(args) == 2:
-        low, high = args
-        args = []
-    elif len(args) == 1:
-        low, high = kwargs.pop("low", 0), args.pop()
+        low = kwargs.pop("low", rest.pop(0) if rest else 0)
+    elif len(rest) == 2:
+        low, high = rest
+        rest = []
+    elif len(rest) == 1:
+        low, high = kwargs.pop("low", 0), rest.pop()
     else:
         raise TypeError("randint() missing the high argument")
-    if args:
+    if rest:
         raise TypeError("randint(): too many positional arguments")
     if "size" not in kwargs:
         raise TypeError('randint() missing 1 required positional argument: "size"')
@@ -430,10 +357,10 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
         if not -(1 << 63) <= v < 1 << 63:
             raise InvalidArgument(f"randint: bound {v} overflows int64 (torch's parser takes "
                                   "int64 bounds)")
-    if low >= high:
+    t, rg, fresh = _new(_size((), kwargs), kwargs, default_dtype=torch.int64, op="torch.randint")
+    if low >= high and not _abstract(t):  # torch checks the bounds where it draws values
         raise InvalidArgument(f"random_ expects 'from' to be less than 'to', but got "
                               f"from={low} >= to={high}")
-    t, rg, fresh = _new(_size((), kwargs), kwargs, default_dtype=torch.int64, op="torch.randint")
     return _finish(fill_(t, g, "random_range_", low, high, fresh=fresh), rg)
 
 
@@ -470,22 +397,39 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
         g._sampler.normal_(t, float(mean), float(std))
         return t
     if len(args) >= 3 or "size" in kwargs:
-        mean, std = (list(args[:2]) + [kwargs.pop("mean", 0.0), kwargs.pop("std", 1.0)])[:2] \
-            if len(args) >= 2 else (kwargs.pop("mean", args[0] if args else 0.0),
-                                    kwargs.pop("std", 1.0))
-        size = args[2] if len(args) >= 3 else kwargs.pop("size")
-        if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
-            raise TypeError("normal(mean, std, size) takes float mean and std")
-        if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
-            kwargs["device"] = "cpu"
-        t, rg, fresh = _new(_size((size,), {}), kwargs, op="torch.normal")
-        return _finish(fill_(t, g, "normal_", float(mean), float(std), fresh=fresh), rg)
+        return _normal_sized(g, args, kwargs)
     mean, std = _pick(args, {k: kwargs.pop(k) for k in ("mean", "std") if k in kwargs},
                       ("mean", "std"), (0.0, 1.0))
     out = kwargs.pop("out", None)
     kwargs.pop("generator", None)
     if kwargs:  # factory keywords (dtype=, device=, ...) belong to the float-float-size overload
         raise TypeError(f"normal(): unexpected keyword arguments {sorted(kwargs)}")
+    return _normal_tensors(g, mean, std, out)
+
+
+def _normal_sized(g: Generator, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``torch.normal(mean, std, size, ...)`` with number mean and std: a factory."""
+    if len(args) >= 2:
+        mean, std = (list(args[:2]) + [kwargs.pop("mean", 0.0), kwargs.pop("std", 1.0)])[:2]
+    else:
+        mean, std = kwargs.pop("mean", args[0] if args else 0.0), kwargs.pop("std", 1.0)
+    size = args[2] if len(args) >= 3 else kwargs.pop("size")
+    if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+        raise TypeError("normal(mean, std, size) takes float mean and std")
+    if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
+        kwargs["device"] = "cpu"
+    t, rg, fresh = _new(_size((size,), {}), kwargs, op="torch.normal")
+    return _finish(fill_(t, g, "normal_", float(mean), float(std), fresh=fresh), rg)
+
+
+def _wants_grad(*xs: Any) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                           for x in xs)
+
+
+def _check_normal_tensors(mean: Any, std: Any, out: torch.Tensor | None) -> torch.Tensor:
+    """torch's checks of normal's tensor overloads; returns the tensor whose dtype and device
+    the draw takes (mean, else std)."""
     mt, st = isinstance(mean, torch.Tensor), isinstance(std, torch.Tensor)
     if not (mt or st):
         raise TypeError("normal(mean, std) with float mean and std needs a size")
@@ -501,28 +445,51 @@ def _normal(*args: Any, **kwargs: Any) -> torch.Tensor:
     if out is not None:
         if not (out.is_floating_point() or out.is_complex()):
             raise UnsupportedDtype(f"normal: not implemented for out= of dtype {out.dtype}")
-        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                           for x in (mean, std)):
+        if _wants_grad(mean, std):
             raise RuntimeError("normal(): functions with out=... arguments don't support "
                                "automatic differentiation, but one of the arguments requires "
                                "grad.")
-    shape = torch.broadcast_shapes(mean.shape if mt else (), std.shape if st else ())
+    return ref
+
+
+def _normal_tensors(g: Generator, mean: Any, std: Any, out: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """``torch.normal`` with a tensor mean or std (or both)."""
+    ref = _check_normal_tensors(mean, std, out)
+    shapes = [x.shape for x in (mean, std) if isinstance(x, torch.Tensor)]
+    if out is not None and not isinstance(std, torch.Tensor):
+        shapes.append(out.shape)  # torch draws into out= itself here, broadcast with mean
+    shape = torch.broadcast_shapes(*shapes)
     # torch draws into the output (out=, else a tensor of mean's dtype, or std's for a float
     # mean) and scales and shifts it in place: the output keeps that dtype
     dtype = out.dtype if out is not None else ref.dtype
     _refuse_capture("torch.normal", mean, std, out)  # a CPU draw copied into a CUDA out= is refused too
     # the tensor overloads draw standard normals, then scale and shift them
     z = fill_(torch.empty(shape, dtype=dtype, device=ref.device), g, "normal_", 0.0, 1.0)
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                       for x in (mean, std)):
+    if _wants_grad(mean, std):
         res = _ScaleShift.apply(z, std, mean)  # torch defines zero gradients for mean and std
     else:
         res = z * std + mean
     res = res.to(dtype)
     if out is not None:
-        out.resize_(res.shape).copy_(res)
-        return out
+        _resize_output(out, res.shape)
+        return out.copy_(res)
     return res
+
+
+def _resize_output(out: torch.Tensor, shape: torch.Size) -> None:
+    """Resize ``out=`` to ``shape`` as torch's out= operators do: with a warning when it held
+    elements in another shape."""
+    if out.shape == shape:
+        return
+    if out.numel():
+        warnings.warn(
+            f"An output with one or more elements was resized since it had shape {list(out.shape)}"
+            f", which does not match the required output shape {list(shape)}. This behavior is "
+            "deprecated, and in a future PyTorch release outputs will not be resized unless they "
+            "have zero elements. You can explicitly reuse an out tensor t by resizing it, "
+            "inplace, to zero elements with t.resize_(0).", UserWarning, stacklevel=5)
+    out.resize_(shape)
 
 
 class _ScaleShift(torch.autograd.Function):
@@ -558,7 +525,7 @@ def _bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     _refuse_capture("torch.bernoulli", input, out)  # before out= is resized: a refused call changes nothing
     t = out.resize_(input.shape) if out is not None else torch.empty_like(
         input, memory_format=torch.contiguous_format)
-    res = fill_(t, g, "bernoulli_", input if p is None else p)
+    res = fill_(t, g, "bernoulli_", input.resolve_neg() if p is None else p)
     if out is None:
         res = _no_gradient(res, input, "bernoulli" if p is None else None)
     return res
@@ -598,6 +565,7 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
+    spec.check_low_precision("multinomial", input.dtype)
     if not input.is_floating_point():
         raise InvalidArgument(f"multinomial only supports floating-point dtypes for input, got: "
                               f"{input.dtype}")
@@ -618,10 +586,11 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if out is not None:
         out.resize_(res.shape).copy_(res)
         return out
-    return res
+    return res if res.numel() else torch.empty(res.shape, dtype=res.dtype, device=res.device)
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
+    spec.check_low_precision("poisson", input.dtype)
     if not input.is_floating_point():
         raise UnsupportedDtype(f"poisson: not implemented for {input.dtype} (torch raises too)")
     if _abstract(input):  # shapes only: nothing to draw
@@ -665,23 +634,36 @@ def _normal_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     # torch's own nn.init.sparse_ (held by code that bound it before ember was imported) draws
     # its values with this call and its zero pattern from the global Mersenne Twister next:
     # refuse it here, before anything is drawn
-    frame = sys._getframe(1)
-    for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
-        if frame is None:
-            break
-        if frame.f_code in _EARLY_BOUND_CODES:
-            raise TypeError(
+    if _called_from_early_bound_code():
+        raise TypeError(
                 "torch.nn.init.sparse_ bound before `import ember.csprng` (e.g. `from "
                 "torch.nn.init import sparse_`) draws its zero pattern from torch's global "
                 "Mersenne Twister, not from the ember generator; import ember.csprng first or "
                 "call torch.nn.init.sparse_ through the module")
-        frame = frame.f_back
     return _normal_impl(self, *args, **kwargs)
 
 
-_normal_impl = _scalar_method("normal_", ("mean", "std"), (0.0, 1.0))
+def _called_from_early_bound_code() -> bool:
+    """Whether one of the few frames above is running a code object in ``_EARLY_BOUND_CODES``.
+
+    Compared by identity, never hashed: under torch.compile the frames above run code that dynamo
+    generated, whose constants can include a dict, and hashing such a code object raises.
+    """
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
+        if frame is None:
+            return False
+        code = getattr(frame, "f_code", None)
+        if any(code is c for c in _EARLY_BOUND_CODES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_normal_impl = _scalar_method("normal_", spec.by_method("normal_").names,
+                              spec.by_method("normal_").defaults)
 # code objects of torch functions that are unsafe with an ember generator when called directly
-_EARLY_BOUND_CODES: set[Any] = set()
+_EARLY_BOUND_CODES: list[Any] = []
 
 
 def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -699,16 +681,26 @@ def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     if high is None:
         from .distributions import representable_range
 
+        spec.check("random_range_", self.dtype, ())  # before the dtype's range is looked up
         high = representable_range(self.dtype)[1] + 1
+        if high - 1 >= 1 << 63:  # torch's int64 bound: uint64's largest value is refused
+            raise InvalidArgument(f"random_: to - 1 = {high - 1} is out of bounds for {self.dtype}")
     return fill_(self, g, "random_range_", low, _int_arg(high, "random_(): argument 'to'"))
 
 
 def _bernoulli_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     (p,) = _pick(args, kwargs, ("p",), (0.5,))
-    if isinstance(p, torch.Tensor) and p.is_cuda:  # a CUDA p read for a CPU draw (a CUDA self
-        _refuse_capture("Tensor.bernoulli_", p)  # is refused by its fill)
-    return fill_(self, g, "bernoulli_", p)
+    if not isinstance(p, torch.Tensor):
+        return fill_(self, g, "bernoulli_", p)
+    if p.is_cuda:  # a CUDA p read for a CPU draw (a CUDA self is refused by its fill)
+        _refuse_capture("Tensor.bernoulli_", p)
+    p = p.resolve_neg()  # the sampler reads p's memory: a negated view's values are elsewhere
+    if not (_wants_grad(p) and self.is_floating_point()):
+        return fill_(self, g, "bernoulli_", p)
+    # torch's in-place draw joins p's graph, with a zero gradient to p
+    drawn = fill_(torch.empty_like(self), g, "bernoulli_", p.detach(), fresh=True)
+    return self.copy_(_ZeroGradient.apply(drawn, p, "bernoulli"))
 
 
 def _tensor_bernoulli(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -716,7 +708,7 @@ def _tensor_bernoulli(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
 
 
 # ---------------------------------------------------------------------- installation
-_TORCH = {
+_TORCH: dict[str, Callable[..., Any]] = {
     "rand": _rand, "randn": _randn, "rand_like": _rand_like, "randn_like": _randn_like,
     "randint": _randint, "randint_like": _randint_like, "randperm": _randperm,
     "normal": _normal, "bernoulli": _bernoulli, "multinomial": _multinomial,
@@ -726,18 +718,13 @@ _TORCH = {
     "_sample_dirichlet": _unsupported("torch._sample_dirichlet"),
     "rrelu": _unsupported("torch.rrelu"), "rrelu_": _unsupported("torch.rrelu_"),
 }
+_SPECIAL_METHODS = {"normal_": _normal_, "random_": _random_, "bernoulli_": _bernoulli_}
 _TENSOR = {
-    "uniform_": _scalar_method("uniform_", ("from", "to"), (0.0, 1.0)),
-    "normal_": _normal_,
-    "log_normal_": _scalar_method("log_normal_", ("mean", "std"), (1.0, 2.0)),
-    "exponential_": _scalar_method("exponential_", ("lambd",), (1.0,)),
-    "cauchy_": _scalar_method("cauchy_", ("median", "sigma"), (0.0, 1.0)),
-    "geometric_": _scalar_method("geometric_", ("p",), (None,)),
-    "random_": _random_,
-    "bernoulli_": _bernoulli_,
-    "bernoulli": _tensor_bernoulli,
-    "multinomial": _multinomial,
+    d.tensor_method: _SPECIAL_METHODS.get(d.tensor_method)
+    or _scalar_method(d.method, d.names, d.defaults)
+    for d in spec.DISTRIBUTIONS if d.tensor_method is not None
 }
+_TENSOR.update(bernoulli=_tensor_bernoulli, multinomial=_multinomial)
 
 
 def _wraps(original: Callable[..., Any]):
@@ -775,7 +762,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return _under_transform(name, impl, args, kwargs)
         return _call(impl, args, kwargs)
 
-    wrapper.__ember_original__ = original  # type: ignore[attr-defined]
+    wrapper.__ember_original__ = original
     return wrapper
 
 
@@ -783,17 +770,15 @@ def install() -> None:
     """Route torch's random functions to ember for ember generators (idempotent)."""
     if _ORIGINALS:
         return
+    patch.check()  # fail closed on a torch without the private names the routing needs
     # torch.device(...) as a context manager (and set_default_device) puts the factories that
     # it finds in this set on its device; it is built from torch.rand & co. on first use, so
     # build it now, from torch's own functions, and add the wrappers below
-    from torch.utils import _device
-
-    known = getattr(_device, "_device_constructors", None)
-    base = known() if known is not None else None
+    base = patch.get("torch.utils._device._device_constructors")()
     for name, impl in _TORCH.items():
         original = getattr(torch, name, None)
-        if original is None:
-            continue
+        if original is None or not patch.takes_generator(name, original):
+            continue  # torch has no such call with a generator: it refuses ember's as any other
         _ORIGINALS[(torch, name)] = original
         wrapper = _wrap(original, impl, 1 if name == "poisson" else -1)
         setattr(torch, name, wrapper)
@@ -928,9 +913,8 @@ def _eager(impl: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     generator is a placeholder: ask for a graph break so that the call runs eagerly instead.
     """
     if type(kwargs.get("generator")) is _FakeScriptObject:
-        from torch._dynamo.exc import Unsupported
-
-        raise Unsupported("ember.csprng draws run eagerly (graph break)")
+        unsupported = patch.get("torch._dynamo.exc.Unsupported")
+        raise unsupported("ember.csprng draws run eagerly (graph break)")
     return impl(*args, **kwargs)
 
 
@@ -939,11 +923,8 @@ _DEVICE_WRAPPERS: set[Any] = set()
 
 def uninstall() -> None:
     """Restore torch's original functions."""
-    from torch.utils import _device
-
-    known = getattr(_device, "_device_constructors", None)
-    if known is not None and _DEVICE_WRAPPERS:
-        known().difference_update(_DEVICE_WRAPPERS)
+    if _DEVICE_WRAPPERS:
+        patch.get("torch.utils._device._device_constructors")().difference_update(_DEVICE_WRAPPERS)
         _DEVICE_WRAPPERS.clear()
     for (owner, name), original in _ORIGINALS.items():
         if original is _INHERITED:

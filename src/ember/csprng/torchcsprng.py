@@ -10,7 +10,8 @@ mode on with today's torch. This module offers the same functions backed by embe
 >>> g = torchcsprng.create_random_device_generator("/dev/urandom")
 
 Covered: ``create_random_device_generator(token=None)``, ``create_mt19937_generator(seed=None)``,
-``encrypt``/``decrypt`` (same semantics), ``supports_cuda()``, ``__version__``. torchcsprng's
+``encrypt``/``decrypt`` (same semantics), ``supports_cuda()``, ``__version__``, ``git_version`` and
+the ``torchcsprng.version`` module. torchcsprng's
 generators were ``torch.Generator`` objects; ember's are not (see docs/csprng.md), which matters only
 to code that checks ``isinstance(g, torch.Generator)``.
 """
@@ -23,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from .. import __version__ as _ember_version
 from .generator import Generator, supports_cuda
 from .generator import create_mt19937_generator as _create_mt19937_generator
 from .generator import create_random_device_generator as _create_random_device_generator
@@ -34,12 +36,15 @@ __all__ = [
     "create_random_device_generator",
     "decrypt",
     "encrypt",
+    "git_version",
     "provide_torchcsprng",
     "supports_cuda",
 ]
 
 #: The torchcsprng release whose API this module follows, with ember's marker.
 __version__ = "0.2.1+ember"
+#: torchcsprng's build revision; here the ember release that provides the module.
+git_version = f"ember-{_ember_version}"
 
 # std::random_device tokens (libstdc++, libc++, MSVC) that name an operating-system or hardware
 # source of entropy. ember reads the operating system's CSPRNG (os.urandom) for all of them.
@@ -133,4 +138,13 @@ def provide_torchcsprng() -> ModuleType:
             "shadow it. Uninstall it (pip uninstall torchcsprng; its builds stop at torch 1.8) to "
             "let ember stand in, or use it directly")
     sys.modules["torchcsprng"] = me
+    sys.modules["torchcsprng.version"] = _version_module()
     return me
+
+
+def _version_module() -> ModuleType:
+    """``torchcsprng.version``, which torchcsprng's package had (``__version__``, ``git_version``)."""
+    module = ModuleType("torchcsprng.version")
+    module.__version__ = __version__  # type: ignore[attr-defined]
+    module.git_version = git_version  # type: ignore[attr-defined]
+    return module

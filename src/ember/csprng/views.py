@@ -11,6 +11,7 @@ keeps its tensor alive; nothing may resize the tensor while a view of it is in u
 from __future__ import annotations
 
 import ctypes
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -33,8 +34,9 @@ def _memory(t: torch.Tensor, nbytes: int) -> np.ndarray:
     if nbytes == 0:
         return np.empty(0, dtype)
     buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    buf._tensor = t  # the array's base holds the tensor, and so its memory
-    return np.frombuffer(buf, dtype)
+    # the array's base holds the tensor, and so its memory (ctypes arrays take attributes)
+    cast(Any, buf)._tensor = t
+    return np.frombuffer(cast(bytes, buf), dtype)  # a ctypes array is a buffer: no copy
 
 
 def flat_view(t: torch.Tensor) -> np.ndarray:
