@@ -4,6 +4,7 @@ clipping, and DDP's gradient sync only on the micro-batch that closes a step."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any
 
 import torch
@@ -20,6 +21,13 @@ class Accumulation:
 
     def __init__(self, k: int) -> None:
         self.k = k
+
+    def close(self, run: Run) -> None:
+        """Let the DDP wrapper go now, while its process group still exists: a reducer freed
+        after the group was destroyed aborts the process at exit."""
+        if isinstance(run.net, torch.nn.parallel.DistributedDataParallel):
+            run.net = run.model
+            gc.collect()  # the wrapper may sit in a reference cycle
 
     def closes_step(self, run: Run) -> bool:
         return (run.progress.micro + 1) % self.k == 0
@@ -62,6 +70,13 @@ class Stepping(Component):
         another component, privacy, does its own gradient sum)."""
         if run.world.distributed and run.ddp:
             run.net = torch.nn.parallel.DistributedDataParallel(run.model)
+
+    def close(self, run: Run) -> None:
+        """Let the DDP wrapper go now, while its process group still exists: a reducer freed
+        after the group was destroyed aborts the process at exit."""
+        if isinstance(run.net, torch.nn.parallel.DistributedDataParallel):
+            run.net = run.model
+            gc.collect()  # the wrapper may sit in a reference cycle
 
     def closes_step(self, run: Run) -> bool:
         return self.batching.closes_step(run)
