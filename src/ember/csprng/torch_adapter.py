@@ -139,7 +139,7 @@ def _bump_version(t: torch.Tensor) -> None:
     # NumPy wrote into the tensor's memory behind autograd's back: record it as a modification
     # (inference tensors have no version counter to record it in)
     if not t.is_inference():
-        torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+        torch.autograd.graph.increment_version(t)
 
 
 def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
