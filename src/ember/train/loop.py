@@ -382,6 +382,12 @@ _LEGACY_SETTINGS = {"swa_every_steps": None, "swa_schedule": "anneal", "swa_cycl
                     "swa_cycle_shape": "linear", "swa_collect_start": 0.5}
 
 
+def _swalr_state(swalr: LRScheduler) -> dict[str, Any]:
+    # torch 2.8 and earlier put SWALR's anneal function in its state_dict: a function, which
+    # torch.load(weights_only=True) refuses; the constructor sets it again from the config
+    return {k: v for k, v in swalr.state_dict().items() if k != "anneal_func"}
+
+
 def _checkpoint_state(world: World, model: nn.Module, optimizer: torch.optim.Optimizer,
                       scheduler: LRScheduler | None, swalr: SWALR | None,
                       scaler: torch.amp.GradScaler | None, swa: SWA | None, swag: SWAG | None,
@@ -397,7 +403,7 @@ def _checkpoint_state(world: World, model: nn.Module, optimizer: torch.optim.Opt
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "swalr": swalr.state_dict() if swalr is not None else None,
+        "swalr": _swalr_state(swalr) if swalr is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "swa": swa.state_dict() if swa is not None else None,
         "swag": swag.state_dict() if swag is not None else None,
