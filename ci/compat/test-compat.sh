@@ -110,6 +110,14 @@ else
     log "declared torch>=$floor; testing torch ${versions[*]}"
 fi
 
+# on a default run, the wheels and venvs of versions no longer at an end of the range are dropped
+for folder in "$WHEELS"/torch-* "$VENVS"/torch-*; do
+    [[ -z ${COMPAT_TORCH:-} && -d $folder ]] || continue
+    keep=0
+    for version in "${versions[@]}"; do [[ ${folder##*/} == "torch-$version" ]] && keep=1; done
+    if [[ $keep == 0 ]]; then log "removing $folder (no longer an end of the range)"; rm -rf "$folder"; fi
+done
+
 declare -A outcome
 failed=0
 for version in "${versions[@]}"; do
