@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ember-installed
 
-.PHONY: demo test test-slow lint bench clean
+.PHONY: demo test test-slow test-compat lint bench clean
 
 # setup.py and the C sources: an editable install builds the optional extensions in place
 $(STAMP): pyproject.toml setup.py src/ember/shards/_speedups.c src/ember/csprng/_shuffle.c src/ember/csprng/_transforms.c src/ember/csprng/_buffers.h
@@ -24,6 +24,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+# the tests marked torch_compat on the oldest declared and the newest installable torch, one venv each
+# (.venv-compat/torch-<version>); see ci/compat/test-compat.sh
+test-compat:
+	PYTHON=$(PYTHON) bash ci/compat/test-compat.sh
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
@@ -32,4 +37,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/csprng.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) .venv-compat build dist src/*.egg-info

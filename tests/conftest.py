@@ -1,1 +1,64 @@
-"""Suite-wide setup: this folder is on sys.path, so tests share tests/processes.py."""
+"""Suite-wide setup. This folder is on sys.path, so tests share tests/processes.py; and the test
+selection of `make test-compat`: which tests run on every supported torch.
+
+The tests listed in ``TORCH_COMPAT`` are the ones that exercise how ember attaches to torch (its
+private hooks, its patched functions, behaviour compared against torch's own), so they are the ones
+that can break when torch changes. They get the ``torch_compat`` marker here, in this one place;
+``make test-compat`` runs ``pytest -m torch_compat`` on the oldest and newest torch.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+# Patterns over "<path relative to tests/>::<test name>" (fnmatch: * also matches "/" and "::").
+TORCH_COMPAT = (
+    # csprng: torch semantics, the adapter and its fail-closed hooks, routing, compile, Opacus,
+    # the torchcsprng compatibility module
+    "csprng/test_torch_semantics.py::*",
+    "csprng/test_torch_adapter.py::*",
+    "csprng/test_fail_closed.py::*",
+    "csprng/test_routed_paths.py::*",
+    "csprng/test_triton_routing.py::*",
+    "csprng/test_compile.py::*",
+    "csprng/test_opacus.py::*",
+    "csprng/test_compat.py::*",
+    "csprng/test_capture_refusal.py::*",
+    "csprng/test_normal_foreach_cpu.py::*",
+    "csprng/test_vmap.py::*",
+    "csprng/test_views.py::*",
+    "csprng/test_patch.py::*",
+    "csprng/test_torch_sweep.py::*",
+    # swa: AveragedModel as a drop-in for torch.optim.swa_utils
+    "swa/test_averaged_model_dropin.py::*",
+    # train: privacy (Opacus), mixed precision, resume
+    "train/test_privacy.py::*",
+    "train/test_privacy_noise.py::*",
+    "train/test_privacy_guards.py::*",
+    "train/test_budget_stop.py::*",
+    "train/test_precision.py::*",
+    "train/test_train_resume.py::*",
+)
+
+
+def _test_id(item: pytest.Item) -> str:
+    """The item's id with its path relative to tests/ (independent of pytest's rootdir)."""
+    path = Path(str(item.path)).resolve()
+    try:
+        relative = path.relative_to(TESTS).as_posix()
+    except ValueError:
+        return item.nodeid
+    _, sep, rest = item.nodeid.partition("::")
+    return relative + sep + rest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        test_id = _test_id(item)
+        if any(fnmatchcase(test_id, pattern) for pattern in TORCH_COMPAT):
+            item.add_marker(pytest.mark.torch_compat)

@@ -66,3 +66,11 @@ def test_views_with_an_offset_are_filled_in_place():
     base_a[5:25].normal_(generator=g1)
     csprng.normal_foreach_([base_b[5:25]], generator=g2)
     assert torch.equal(base_a, base_b) and base_b[:5].eq(0).all() and base_b[25:].eq(0).all()
+
+
+def test_foreach_in_inference_mode_gives_the_values_of_normal_():
+    g1, g2 = csprng.create_generator(4), csprng.create_generator(4)
+    with torch.inference_mode():
+        one_by_one = [torch.empty(7).normal_(generator=g1), torch.empty(3).normal_(generator=g1)]
+        together = csprng.normal_foreach_([torch.empty(7), torch.empty(3)], generator=g2)
+    assert all(torch.equal(a, b) for a, b in zip(one_by_one, together, strict=True))

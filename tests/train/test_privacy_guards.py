@@ -120,7 +120,7 @@ def test_a_batchnorm_under_two_names_is_replaced_under_both():
     result = _fit(model, _loader(), _privacy(replace_batchnorm=True))
     assert isinstance(model.bn, nn.GroupNorm) and model.bn2 is model.bn
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm)
-                   for m in result.model.modules(remove_duplicate=False))
+                   for _, m in result.model.named_modules(remove_duplicate=False))
 
 
 # ---- 3: samplers that do not cover the loader's dataset ----------------------------------------

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import torch
 
-from . import patch
 from .distributions import NativeSampler
 from .generator import Generator
 
@@ -24,7 +23,7 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
     Gives exactly the values and the final generator position of
     ``[t.normal_(mean, std, generator=generator) for t in tensors]``. Returns the tensors.
     """
-    from .torch_adapter import InvalidArgument, UnsupportedDtype, _refuse_capture, fill_
+    from .torch_adapter import InvalidArgument, UnsupportedDtype, _bump_version, _refuse_capture, fill_
 
     if not isinstance(generator, Generator):
         raise TypeError(f"normal_foreach_: generator must be an ember.csprng Generator, got "
@@ -49,7 +48,7 @@ def normal_foreach_(tensors: Sequence[torch.Tensor], std: float = 1.0, *, mean: 
         sampler.normal_foreach_(tensors, mean, std)
         for t in tensors:
             if t.numel():
-                patch.bump_version(t)
+                _bump_version(t)
         return tensors
     if tensors and type(sampler) is NativeSampler and _one_launch(sampler, tensors, None):
         from . import cuda_fast

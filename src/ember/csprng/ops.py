@@ -34,7 +34,10 @@ def _state_tensor(stream: BlockStream) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-@torch.library.custom_op("ember::sample", mutates_args=())
+# The schema is spelled out: torch before 2.5 cannot infer one from postponed (string) annotations.
+@torch.library.custom_op("ember::sample", mutates_args=(), schema=(
+    "(Tensor state, str method, SymInt[] shape, ScalarType dtype, float[] fparams, SymInt[] iparams)"
+    " -> (Tensor, Tensor)"))
 def _sample(state: torch.Tensor, method: str, shape: list[int], dtype: torch.dtype,
             fparams: list[float], iparams: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     if method not in _METHODS:

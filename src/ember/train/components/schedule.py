@@ -51,8 +51,12 @@ class RateSchedule(Component):
         return self.swa is not None and epoch >= self.swa.start  # type: ignore[operator]
 
     def state_dict(self) -> dict[str, Any]:
+        # some torch versions put SWALR's anneal function in its state_dict: a function, which
+        # torch.load(weights_only=True) refuses; make_swalr sets it again from the config
+        swalr = {k: v for k, v in self.swalr.state_dict().items() if k != "anneal_func"} \
+            if self.swalr is not None else None
         return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "swalr": self.swalr.state_dict() if self.swalr is not None else None}
+                "swalr": swalr}
 
     def setup(self, run: Run) -> None:
         self.run = run  # its optimizer is read when needed: privacy replaces it in wrap
