@@ -1,12 +1,13 @@
 """Tune the peak learning rate of ``ember demo``'s cosine-annealed SGD baseline.
 
-The protocol is in docs/experiments/train.md ("The tuning run behind the baseline's rate"), written before this
-script was first run: peak rates {0.25, 0.5, 1, 2} x the demo's 0.05, each cosine-annealed to 0
-over the demo's 30 epochs, seeds 0, 1, 2, trained on the early-stopping baseline's training part
-(the noisy training labels minus a stratified 15% held out, seed 0) and scored by accuracy on the
-held-out 15% (noisy labels, as a user would have them). The highest mean accuracy wins, ties to the
-smaller rate. The test sets are never used. The result goes into ``ember.demo.PROTOCOL["baseline_lr"]``
-by hand, with this script's output recorded in docs/experiments/train.md.
+The protocol is in docs/experiments/train.md ("The tuning run behind the baseline's rate"),
+written before this script was first run: peak rates {0.25, 0.5, 1, 2} x the demo's 0.05, each
+cosine-annealed to 0 over the demo's 30 epochs, seeds 0, 1, 2, trained on the early-stopping
+baseline's training part (the noisy training labels minus a stratified 15% held out, seed 0) and
+scored by accuracy on the held-out 15% (noisy labels, as a user would have them). The highest mean
+accuracy wins, ties to the smaller rate. The test sets are never used. The result goes into
+``ember.demo.PROTOCOL["baseline_lr"]`` by hand, with this script's output recorded in
+docs/experiments/train.md.
 
     python bench/demo_tuning.py [--json bench/results/demo_tuning.json] [--epochs 30]
 """
