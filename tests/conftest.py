@@ -46,6 +46,20 @@ TORCH_COMPAT = (
 )
 
 
+# Long cases that `make test` leaves to `make test-slow` (pyproject's addopts deselect `slow`), so the
+# main suite stays under ten minutes on a 2-core machine: the Triton interpreter's ChaCha20 cases
+# (its AES-128 cases, and both ciphers' streams bit for bit on CPU, stay in `make test`), the
+# compile-everything NVRTC check (one kernel's compile stays), an experiment and a benchmark run as
+# tests.
+SLOW = (
+    "csprng/test_triton_kernels.py::*chacha20*",
+    "csprng/test_triton_refill.py::*chacha20*",
+    "csprng/test_nvrtc.py::test_every_fast_path_kernel_compiles_for_sm90",
+    "swa/test_digits.py::test_digits_swa_swag_no_loss_against_tuned_annealed_sgd",
+    "swa/test_swap.py::test_bench_experiment_quick_one_seed*",
+)
+
+
 def _test_id(item: pytest.Item) -> str:
     """The item's id with its path relative to tests/ (independent of pytest's rootdir)."""
     path = Path(str(item.path)).resolve()
@@ -62,3 +76,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         test_id = _test_id(item)
         if any(fnmatchcase(test_id, pattern) for pattern in TORCH_COMPAT):
             item.add_marker(pytest.mark.torch_compat)
+        if any(fnmatchcase(test_id, pattern) for pattern in SLOW):
+            item.add_marker(pytest.mark.slow)
