@@ -160,3 +160,21 @@ def test_dp_refusals_are_in_flag_terms(shard, tmp_path, extra, words):
 def test_swag_samples_needs_swag_rank(shard, tmp_path):
     line = one_error_line(ember(*_args(shard, tmp_path / "run", "--swag-samples", "5")))
     assert "--swag-samples" in line and "--swag-rank" in line
+
+
+def test_data_given_twice_is_refused_naming_the_brace_pattern(shard, tmp_path):
+    done = ember("train", "--data", str(shard), "--data", str(shard), "--num-classes", "2",
+                 "--out", str(tmp_path / "run"), "--no-progress")
+    assert done.returncode == 2
+    assert "--data" in done.stderr and "{000000..000009}" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_swa_models_accuracy_is_printed_and_sizes_say_height_by_width(tmp_path):
+    wide = _shard(tmp_path / "w.tar", [(f"k{i}", _png(80, 60, i), str(i % 2).encode())
+                                       for i in range(4)])
+    done = ember(*_args(wide, tmp_path / "run", "--epochs", "2", "--swa-start", "1",
+                        "--eval-data", str(wide)))
+    assert done.returncode == 0, done.stderr
+    assert "the first image is 60x80 (height x width)" in done.stdout
+    assert "SWA: test accuracy" in done.stdout

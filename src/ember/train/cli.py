@@ -150,6 +150,18 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             group.add_argument(opt.flag, **kwargs)
 
 
+class _Once(argparse.Action):
+    """A shard-list flag given once: a second one would silently replace the first (several
+    shards go in one quoted brace pattern)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice: name several shards with one quoted "
+                         "brace pattern, such as 'shards/train-{000000..000009}.tar'")
+        setattr(namespace, self.dest, values)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``ember train`` to the ``ember`` command."""
     p = sub.add_parser(
@@ -159,10 +171,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "through Opacus, exact checkpoint/resume, and DDP under torchrun.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
-    data.add_argument("--data", required=True, metavar="URLS",
+    data.add_argument("--data", required=True, metavar="URLS", action=_Once,
                       help="training shards: a brace pattern such as 'shards/train-{000000..000009}"
                       ".tar' (quote it), local paths, file:, http(s)://, s3://")
-    data.add_argument("--eval-data", metavar="URLS",
+    data.add_argument("--eval-data", metavar="URLS", action=_Once,
                       help="test shards evaluated after every epoch (accuracy, NLL)")
     data.add_argument("--num-classes", type=int, default=None, metavar="N",
                       help="number of classes; labels in .cls must lie in [0, N) (default: the "
@@ -1003,7 +1015,7 @@ def _build_model(args: argparse.Namespace, world: Any) -> nn.Module:
     if args.image_size is None:  # the first image's size: images of other sizes are fitted to it
         how = "the first image's size"
         if max(shape[1:]) > _DEFAULT_MAX_SIDE:
-            how = (f"the first image is {shape[1]}x{shape[2]}, larger than "
+            how = (f"the first image is {shape[1]}x{shape[2]} (height x width), larger than "
                    f"{_DEFAULT_MAX_SIDE}: each image is scaled and center-cropped")
             shape = (shape[0], _DEFAULT_MAX_SIDE, _DEFAULT_MAX_SIDE)
         if world.is_main:
@@ -1253,6 +1265,8 @@ def _print_closing(args: argparse.Namespace, result: Any, summary: dict[str, Any
     if args.skip_bad:
         _print_skipped(args, summary)
     swap_record = summary.get("swap")
+    if "eval_swa_accuracy" in last:
+        print(f"SWA: test accuracy {last['eval_swa_accuracy']:.4f}")
     if swap_record is not None and "eval_accuracy" in swap_record:
         print(f"SWAP average of {result.world_size} ranks: test accuracy "
               f"{swap_record['eval_accuracy']:.4f}")
