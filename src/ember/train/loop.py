@@ -136,7 +136,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: Iterab
                                               loss_fn, scheduler, eval_loader, bn_loader,
                                               privacy, list(callbacks), on_step, on_epoch)
         try:
-            return _train(run, components, resume_from)
+            return _train(run, components)
         finally:
             close_all(components, run)
     finally:
@@ -182,7 +182,7 @@ def _build(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable,
     return components, run, resume_from
 
 
-def _train(run: Run, components: list[Any], resume_from: Path | None) -> TrainResult:
+def _train(run: Run, components: list[Any]) -> TrainResult:
     call(components, "setup", run)
     call(components, "wrap", run)
     if run.resume_state is not None:

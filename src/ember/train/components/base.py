@@ -5,7 +5,7 @@ components were given (a component defines only the hooks it needs):
 
 - ``setup(run)``: before training: check and prepare (the model may still change here);
 - ``wrap(run)``: then: may replace ``run.net``, ``run.optimizer``, ``run.loader``;
-- ``restore(run, state)``: on resume, after every ``setup``; ``state`` is the checkpoint.
+- (on resume, after every ``wrap``, the checkpointing component loads each component's state)
 - ``on_fit_start(run)``, ``on_epoch_start(run, epoch)``,
 - ``on_batch_end(run)``: after each micro-batch's backward pass,
 - ``on_step_end(run, record)``: after each optimizer step, ``record`` the step's record,
@@ -32,7 +32,7 @@ from ember.train.distributed import World
 
 __all__ = ["HOOKS", "Component", "Progress", "Run", "StopTraining", "call"]
 
-HOOKS = ("setup", "wrap", "restore", "on_fit_start", "on_epoch_start", "on_batch_end", "on_step_end",
+HOOKS = ("setup", "wrap", "on_fit_start", "on_epoch_start", "on_batch_end", "on_step_end",
          "on_epoch_end", "on_fit_end", "close")
 
 
@@ -92,7 +92,6 @@ class Run:
     ddp: bool = True  # wrap the model in DDP under several processes (privacy sums its own)
     report: dict[str, Any] = field(default_factory=dict)  # end-of-run fields (the "end" record)
     resume_state: dict[str, Any] | None = None  # the checkpoint being resumed, during setup
-    extras: dict[str, Any] = field(default_factory=dict)  # for user callbacks
 
 
 def call(components: Iterable[Any], hook: str, *args: Any) -> None:

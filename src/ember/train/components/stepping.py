@@ -22,13 +22,6 @@ class Accumulation:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def close(self, run: Run) -> None:
-        """Let the DDP wrapper go now, while its process group still exists: a reducer freed
-        after the group was destroyed aborts the process at exit."""
-        if isinstance(run.net, torch.nn.parallel.DistributedDataParallel):
-            run.net = run.model
-            gc.collect()  # the wrapper may sit in a reference cycle
-
     def closes_step(self, run: Run) -> bool:
         return (run.progress.micro + 1) % self.k == 0
 
