@@ -267,17 +267,20 @@ static int is_metadata(PyObject *name, Py_ssize_t len)
     return PyUnicode_READ_CHAR(name, end - 1) == '_' && PyUnicode_READ_CHAR(name, end - 2) == '_';
 }
 
-/* Whether a key has a ".." path part. */
+/* Whether a key has a ".." path part (found by searching for dots: most keys have none). */
 static int has_dotdot_part(PyObject *key)
 {
     Py_ssize_t len = PyUnicode_GET_LENGTH(key);
-    Py_ssize_t i;
-    for (i = 0; i + 1 < len; i++) {
-        if (PyUnicode_READ_CHAR(key, i) == '.' && PyUnicode_READ_CHAR(key, i + 1) == '.' &&
+    Py_ssize_t i = PyUnicode_FindChar(key, '.', 0, len, 1);
+    while (i >= 0 && i + 1 < len) {
+        if (PyUnicode_READ_CHAR(key, i + 1) == '.' &&
             (i == 0 || PyUnicode_READ_CHAR(key, i - 1) == '/') &&
             (i + 2 == len || PyUnicode_READ_CHAR(key, i + 2) == '/'))
             return 1;
+        i = PyUnicode_FindChar(key, '.', i + 1, len, 1);
     }
+    if (i == -2)
+        PyErr_Clear();
     return 0;
 }
 
