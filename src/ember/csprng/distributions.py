@@ -48,6 +48,7 @@ _NO_OVERFLOW = contextlib.nullcontext()
 # the largest finite value of each float dtype
 _FINITE_MAX = {d: torch.finfo(d).max for d in (torch.float16, torch.bfloat16, torch.float32,
                                                torch.float64)}
+_HALF_MAX = {d: m / 2 for d, m in _FINITE_MAX.items()}
 # bounds of |z| for a standard normal and of |tan(pi (u - 1/2))| for a Cauchy value, over every
 # keystream word (float64's 53-bit grids; float32's are smaller)
 _NORMAL_BOUND = 9.0
@@ -390,7 +391,7 @@ class NativeSampler:
         mean, std = float(mean), float(std)
         if not std >= 0.0:  # the record's rule, with its message
             spec.check_params("normal_", (mean, std))
-        if abs(mean) + _NORMAL_BOUND * std < _FINITE_MAX[out.dtype] / 2:  # the common case
+        if abs(mean) + _NORMAL_BOUND * std < _HALF_MAX[out.dtype]:  # the common case
             self._normal(out, mean, std, log=False)
             return
         with _overflow_to_inf():

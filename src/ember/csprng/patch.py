@@ -127,7 +127,7 @@ def _version_setter(setter: Any) -> Callable[[torch.Tensor, int], None] | None:
     return cast(Callable[[torch.Tensor, int], None], setter)
 
 
-_SETTER = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+_SETTER: Any = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 _SET_VERSION = _version_setter(_SETTER)
 _TUPLES = _SET_VERSION is not None and _SET_VERSION is not _SETTER  # newer torch's convention
 
@@ -153,7 +153,7 @@ def takes_generator(name: str, original: Callable[..., Any]) -> bool:
 def bump_version(t: torch.Tensor) -> None:
     """Record a write into ``t``'s memory that autograd did not see (one made through NumPy)."""
     if _TUPLES:  # the common case, called directly: this runs on every in-place draw
-        cast(Any, _SETTER)((t,), (t._version + 1,))
+        _SETTER((t,), (t._version + 1,))
     elif _SET_VERSION is not None:
         _SET_VERSION(t, t._version + 1)
     else:

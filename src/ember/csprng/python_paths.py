@@ -74,8 +74,8 @@ def install(originals: dict) -> None:
 
     # references to torch's sparse_ taken before this (`from torch.nn.init import sparse_`, and
     # the deprecated `sparse` made from it) keep calling it: its normal_ call refuses ember
-    if _ORIGINAL_SPARSE.__code__ not in _EARLY_BOUND_CODES:
-        _EARLY_BOUND_CODES.append(_ORIGINAL_SPARSE.__code__)
+    code = _ORIGINAL_SPARSE.__code__
+    _EARLY_BOUND_CODES[id(code)] = code
     originals[(init, "sparse_")] = init.sparse_
     init.sparse_ = sparse_
     if hasattr(init, "sparse"):  # the deprecated alias calls the function it was made from

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +41,8 @@ def _words(stream: BlockStream, n: int, size: int) -> tuple[int, tuple[int, ...]
 
 
 def _write(out: torch.Tensor, values: list) -> None:
-    struct.pack_into(f"={len(values)}{_CODE[out.dtype]}", flat_view(out).data, 0, *values)
+    view: Any = flat_view(out)  # a writable buffer (typed Any: the stubs do not say so)
+    struct.pack_into(f"={len(values)}{_CODE[out.dtype]}", view, 0, *values)
 
 
 def uniform(stream: BlockStream, out: torch.Tensor, n: int, a: float, b: float,

@@ -219,12 +219,17 @@ _NUMBERS = (int, float)  # a tensor or another kind of number is left to the sam
 # per method: (position, accepts, parameter) for each constrained parameter, made once
 _CHECKS = {d.method: tuple((i, _ACCEPTS[p.constraint], p) for i, p in enumerate(d.params)
                            if p.constraint is not Constraint.ANY) for d in DISTRIBUTIONS}
-_DTYPE_ERRORS: dict[tuple[str, torch.dtype], type[Exception] | None] = {}
+# per (method, dtype), made on first use: (the dtype's error or None, the checks, the extra check)
+_PLANS: dict[tuple[str, torch.dtype], tuple[type[Exception] | None, tuple, Callable | None]] = {}
 
 
 def _check_params(method: str, params: tuple) -> None:
     """Raise InvalidArgument for a number parameter that breaks its constraint."""
-    for i, accepts, p in _CHECKS[method]:
+    _check_values(method, _CHECKS[method], params)
+
+
+def _check_values(method: str, checks: tuple, params: tuple) -> None:
+    for i, accepts, p in checks:
         if (i < len(params) and isinstance(params[i], _NUMBERS) and type(params[i]) is not bool
                 and not accepts(params[i])):
             name = p.torch_name or p.name
@@ -232,17 +237,21 @@ def _check_params(method: str, params: tuple) -> None:
                                   f"{name}={params[i]}")
 
 
+def _plan(method: str, dtype: torch.dtype) -> tuple[type[Exception] | None, tuple, Callable | None]:
+    d = _BY_METHOD[method]
+    plan = _PLANS[(method, dtype)] = (_dtype_error(d, dtype), _CHECKS[method], d.extra)
+    return plan
+
+
 def check(method: str, dtype: torch.dtype, params: tuple) -> None:
     """Raise what torch raises for filling a ``dtype`` tensor with ``method(*params)``."""
-    key = (method, dtype)
-    try:
-        error = _DTYPE_ERRORS[key]
-    except KeyError:
-        error = _DTYPE_ERRORS[key] = _dtype_error(_BY_METHOD[method], dtype)
+    # called on every draw: one table lookup, and nothing else for the common unconstrained call
+    plan = _PLANS.get((method, dtype)) or _plan(method, dtype)
+    error, checks, extra = plan
     if error is not None:
         raise error(f"{method}: not implemented for {dtype} (torch raises too)")
-    _check_params(method, params)
-    extra = _BY_METHOD[method].extra
+    if checks:
+        _check_values(method, checks, params)
     if extra is not None:
         extra(dtype, params)
 

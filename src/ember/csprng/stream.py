@@ -128,7 +128,9 @@ class BlockStream:
         with self._lock:  # reserve() and keystream() under one acquisition
             start = self._advance(nblocks)
             cached, self._cached = self._cached, None
-        writer = self._writer(start, cached)
+        # self._writer(start, cached), inlined: this runs once per small draw
+        writer = cached[1] if cached is not None and cached[0] == start else \
+            self._cipher.keystream(self._key, start)
         buf = bytearray(nblocks * BLOCK_BYTES)
         writer.fill(memoryview(buf))
         self.give_back(start + nblocks, writer)

@@ -66,7 +66,7 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     ``fresh`` says that ``t`` was just created here, so no one else can hold it: no autograd
     checks and no version bump are needed.
     """
-    _check_writable(t, method, fresh)
+    bump = _check_writable(t, method, fresh)
     spec.check(method, t.dtype, params)
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
@@ -93,8 +93,8 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
             return t
     elif t.is_contiguous() and not t.is_conj() and not t.is_neg() and not tracked:
         getattr(sampler, method)(t.detach() if t.requires_grad else t, *params)
-        if not fresh and t.numel():
-            _bump_version(t)
+        if bump and t.numel():
+            patch.bump_version(t)
         return t
     # drawn on the CPU and copied in: refused while a CUDA graph is captured (the tracked and
     # fallback fills of CUDA tensors do not pass through the backend's own refusal)
@@ -105,20 +105,25 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     return t
 
 
-def _check_writable(t: Any, method: str, fresh: bool) -> None:
-    """Raise as torch does for an in-place draw into ``t`` that torch refuses."""
+def _check_writable(t: Any, method: str, fresh: bool) -> bool:
+    """Raise as torch does for an in-place draw into ``t`` that torch refuses; return whether a
+    write into ``t``'s memory must be recorded in its version counter."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:  # torch has no random kernels for other layouts either
         raise UnsupportedLayout(f"{method}: only strided tensors are supported, got {t.layout}")
     if fresh:  # made here: nobody else holds it
-        return
+        return False
     if t.requires_grad and torch.is_grad_enabled() and t.is_leaf:
         raise RuntimeError(
             "a leaf Variable that requires grad is being used in an in-place operation.")
-    if t.is_inference() and not torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{method}: Inplace update to inference tensor outside InferenceMode "
-                           "is not allowed (torch raises too); make a clone to get a normal tensor")
+    if t.is_inference():  # no version counter to record a write in
+        if not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{method}: Inplace update to inference tensor outside "
+                               "InferenceMode is not allowed (torch raises too); make a clone to "
+                               "get a normal tensor")
+        return False
+    return True
 
 
 def _refuse_capture(op: str, *args: Any) -> None:
@@ -646,15 +651,15 @@ def _normal_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 def _called_from_early_bound_code() -> bool:
     """Whether one of the few frames above is running a code object in ``_EARLY_BOUND_CODES``.
 
-    Compared by identity, never hashed: under torch.compile the frames above run code that dynamo
-    generated, whose constants can include a dict, and hashing such a code object raises.
+    Looked up by identity (``id``), never hashed: under torch.compile the frames above run code
+    that dynamo generated, whose constants can include a dict, and hashing such a code object
+    raises. The table holds the code objects, so their ids stay theirs.
     """
     frame: FrameType | None = sys._getframe(2)
     for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
         if frame is None:
             return False
-        code = getattr(frame, "f_code", None)
-        if any(code is c for c in _EARLY_BOUND_CODES):
+        if id(frame.f_code) in _EARLY_BOUND_CODES:
             return True
         frame = frame.f_back
     return False
@@ -663,7 +668,7 @@ def _called_from_early_bound_code() -> bool:
 _normal_impl = _scalar_method("normal_", spec.by_method("normal_").names,
                               spec.by_method("normal_").defaults)
 # code objects of torch functions that are unsafe with an ember generator when called directly
-_EARLY_BOUND_CODES: list[Any] = []
+_EARLY_BOUND_CODES: dict[int, Any] = {}  # id(code) -> code
 
 
 def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

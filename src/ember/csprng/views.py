@@ -11,7 +11,7 @@ keeps its tensor alive; nothing may resize the tensor while a view of it is in u
 from __future__ import annotations
 
 import ctypes
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,10 +33,11 @@ def _memory(t: torch.Tensor, nbytes: int) -> np.ndarray:
         raise TypeError(f"NumPy has no dtype for {t.dtype}")
     if nbytes == 0:
         return np.empty(0, dtype)
-    buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    # the array's base holds the tensor, and so its memory (ctypes arrays take attributes)
-    cast(Any, buf)._tensor = t
-    return np.frombuffer(cast(bytes, buf), dtype)  # a ctypes array is a buffer: no copy
+    # typed Any (an annotation costs nothing at run time): ctypes arrays take attributes and
+    # are buffers, which the stubs do not say
+    buf: Any = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    buf._tensor = t  # the array's base holds the tensor, and so its memory
+    return np.frombuffer(buf, dtype)  # no copy
 
 
 def flat_view(t: torch.Tensor) -> np.ndarray:
