@@ -83,6 +83,31 @@ CASES = {
         0, 1e4, generator=g),
     "bfloat16 exponential_(1e-40)": lambda g: torch.empty(1000, dtype=torch.bfloat16).exponential_(
         1e-40, generator=g),
+    # inf - inf: NaN where torch gives NaN, and no NumPy "invalid value" warning
+    "float32 normal_(1e307, 1e307)": lambda g: torch.empty(10).normal_(1e307, 1e307, generator=g),
+    "half normal_(-1e307, 1e307), large": lambda g: torch.empty(3000, dtype=torch.half).normal_(
+        -1e307, 1e307, generator=g),
+    "bfloat16 log_normal_(1e307, 1e307)": lambda g: torch.empty(
+        10, dtype=torch.bfloat16).log_normal_(1e307, 1e307, generator=g),
+    "float64 normal_(inf, inf)": lambda g: torch.empty(10, dtype=torch.float64).normal_(
+        float("inf"), float("inf"), generator=g),
+    "float64 normal_(inf, inf), large": lambda g: torch.empty(
+        3000, dtype=torch.float64).normal_(float("inf"), float("inf"), generator=g),
+    # past the compute dtype's range: torch's fused multiply-add meets no inf - inf
+    "half cauchy_(inf, 1e38)": lambda g: torch.empty(40, dtype=torch.half).cauchy_(
+        float("inf"), 1e38, generator=g),
+    "float64 cauchy_(-inf, 1e307)": lambda g: torch.empty(40, dtype=torch.float64).cauchy_(
+        -float("inf"), 1e307, generator=g),
+    "float32 cauchy_(1e307, 1e38)": lambda g: torch.empty(40).cauchy_(1e307, 1e38, generator=g),
+    "bfloat16 normal_(-1e307, 1e38), large": lambda g: torch.empty(
+        40, dtype=torch.bfloat16).normal_(-1e307, 1e38, generator=g),
+    "half log_normal_(-inf, 1e307)": lambda g: torch.empty(10, dtype=torch.half).log_normal_(
+        -float("inf"), 1e307, generator=g),
+    "float32 log_normal_(-1e307, 1)": lambda g: torch.empty(40).log_normal_(-1e307, 1.0,
+                                                                             generator=g),
+    "float32 geometric_(1e-320)": lambda g: torch.empty(40).geometric_(1e-320, generator=g),
+    "int64 geometric_(1e-320)": lambda g: torch.empty(40, dtype=torch.long).geometric_(
+        1e-320, generator=g),
     "multinomial(overflowing float64)": lambda g: torch.multinomial(
         torch.tensor([1e308, 1e308, 1.0], dtype=torch.float64), 2, generator=g),
     "multinomial(overflowing float64, replacement)": lambda g: torch.multinomial(

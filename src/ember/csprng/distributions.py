@@ -39,9 +39,10 @@ _MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch
 
 
 def _overflow_to_inf() -> np.errstate:
-    """Values past a dtype's range become inf, as torch's kernels make them, without NumPy's
-    overflow warning (helper threads do not inherit the caller's state: each enters its own)."""
-    return np.errstate(over="ignore")
+    """Values past a dtype's range become inf (and inf - inf NaN), as torch's kernels make them,
+    without NumPy's overflow and invalid-value warnings (helper threads do not inherit the
+    caller's state: each enters its own)."""
+    return np.errstate(over="ignore", invalid="ignore")
 
 
 _NO_OVERFLOW = contextlib.nullcontext()
@@ -49,6 +50,9 @@ _NO_OVERFLOW = contextlib.nullcontext()
 _FINITE_MAX = {d: torch.finfo(d).max for d in (torch.float16, torch.bfloat16, torch.float32,
                                                torch.float64)}
 _HALF_MAX = {d: m / 2 for d, m in _FINITE_MAX.items()}
+# the same for each float dtype's compute dtype (float32 for the narrower ones)
+_COMPUTE_HALF_MAX = {d: _HALF_MAX[torch.float64 if d == torch.float64 else torch.float32]
+                     for d in _HALF_MAX}
 # bounds of |z| for a standard normal and of |tan(pi (u - 1/2))| for a Cauchy value, over every
 # keystream word (float64's 53-bit grids; float32's are smaller)
 _NORMAL_BOUND = 9.0
@@ -61,6 +65,31 @@ def _overflow_if(dtype: torch.dtype, bound: float) -> contextlib.AbstractContext
     if not bound < _FINITE_MAX.get(dtype, 0.0) / 2:
         return _overflow_to_inf()
     return _NO_OVERFLOW
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of :func:`_compute`'s compute dtype for a float ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_float32(x: float) -> float:
+    """``x`` rounded to float32 (inf past its range), without NumPy's overflow warning."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _affine_exact(out: torch.Tensor, z: torch.Tensor, loc: float, scale: float,
+                  log: bool = False) -> None:
+    """Write ``loc + scale * z`` (its exp if ``log``) into ``out`` as torch's kernels give it past
+    the compute dtype's range: in float64, rounded once to out's dtype, and an infinite ``loc``
+    with a finite ``scale`` gives ``loc`` itself (torch's fused multiply-add has no overflowing
+    product to meet it as inf - inf). NaN only where torch gives NaN (inf - inf, 0 * inf)."""
+    if math.isinf(loc) and math.isfinite(scale):
+        wide = torch.full(z.shape, loc, dtype=torch.float64)
+    else:
+        wide = z.double().mul_(scale).add_(loc)
+    if log:
+        wide.exp_()
+    out.copy_(wide)
 
 
 def blocks_for(nbytes: int) -> int:
@@ -391,11 +420,14 @@ class NativeSampler:
         mean, std = float(mean), float(std)
         if not std >= 0.0:  # the record's rule, with its message
             spec.check_params("normal_", (mean, std))
-        if abs(mean) + _NORMAL_BOUND * std < _HALF_MAX[out.dtype]:  # the common case
+        bound = abs(mean) + _NORMAL_BOUND * std
+        if bound < _HALF_MAX[out.dtype]:  # the common case
             self._normal(out, mean, std, log=False)
-            return
-        with _overflow_to_inf():
-            self._normal(out, mean, std, log=False)
+        elif bound < _COMPUTE_HALF_MAX[out.dtype]:  # values past out's range become inf
+            with _overflow_to_inf():
+                self._normal(out, mean, std, log=False)
+        else:
+            self._normal_past_range(out, mean, std, log=False)
 
     def log_normal_(self, out: torch.Tensor, mean: float = 1.0, std: float = 2.0) -> None:
         _check_dtype("log_normal_", out.dtype, FLOAT_DTYPES)
@@ -403,8 +435,23 @@ class NativeSampler:
         if not std > 0.0:
             spec.check_params("log_normal_", (mean, std))
         top = mean + _NORMAL_BOUND * std  # the largest log of a value
+        if abs(mean) + _NORMAL_BOUND * std >= _COMPUTE_HALF_MAX[out.dtype]:
+            self._normal_past_range(out, mean, std, log=True)
+            return
         with _overflow_if(out.dtype, math.exp(top) if top < 700.0 else math.inf):
             self._normal(out, mean, std, log=True)
+
+    def _normal_past_range(self, out: torch.Tensor, mean: float, std: float, log: bool) -> None:
+        """normal_/log_normal_ whose arithmetic passes the compute dtype's range, with the kinds
+        of values torch's CPU kernels give there (see :func:`_affine_exact`): its serial kernel
+        (log_normal_, and normal_ of fewer than 16 values) takes the parameters as float64, its
+        vectorised one (normal_ of 16 values or more) as float32 for the narrower dtypes. The
+        keystream and the standard normal values are the common path's."""
+        if out.dtype != torch.float64 and not log and out.numel() >= 16:
+            mean, std = _as_float32(mean), _as_float32(std)
+        z = torch.empty(out.shape, dtype=_compute_dtype(out.dtype))
+        self._normal(z, 0.0, 1.0, log=False)
+        _affine_exact(out, z, mean, std, log)
 
     def normal_foreach_(self, outs: list[torch.Tensor], mean: float = 0.0, std: float = 1.0) -> None:
         """``normal_(out, mean, std)`` for each contiguous CPU tensor of ``outs`` in order (the same
@@ -543,15 +590,24 @@ class NativeSampler:
         if not sigma > 0.0:
             spec.check_params("cauchy_", (median, sigma))
 
-        def tf(u: np.ndarray, cd: type) -> None:  # median + sigma * tan(pi * (u - 1/2)), u in (0, 1)
+        def standard(u: np.ndarray, cd: type) -> None:  # tan(pi * (u - 1/2)), u in (0, 1)
             np.subtract(u, cd(0.5), out=u)
             np.multiply(u, cd(math.pi), out=u)
             np.tan(u, out=u)
+
+        def tf(u: np.ndarray, cd: type) -> None:  # median + sigma * tan(pi * (u - 1/2))
+            standard(u, cd)
             np.multiply(u, cd(sigma), out=u)
             np.add(u, cd(median), out=u)
 
-        with _overflow_if(out.dtype, abs(median) + sigma * _TAN_BOUND):
-            self._unit_open(out, "cauchy_", 0.5, tf)
+        bound = abs(median) + sigma * _TAN_BOUND
+        if bound < _COMPUTE_HALF_MAX[out.dtype]:
+            with _overflow_if(out.dtype, bound):
+                self._unit_open(out, "cauchy_", 0.5, tf)
+            return
+        z = torch.empty(out.shape, dtype=_compute_dtype(out.dtype))
+        self._unit_open(z, "cauchy_", 0.5, standard)  # the common path's keystream and values
+        _affine_exact(out, z, median, sigma)
 
     def geometric_(self, out: torch.Tensor, p: float) -> None:
         _check_dtype("geometric_", out.dtype, FLOAT_DTYPES + _INT_DTYPES)
@@ -575,7 +631,8 @@ class NativeSampler:
             np.add(u, 0.5, out=u)
             np.multiply(u, 2.0**-52, out=u)
             np.log(u, out=u)
-            np.divide(u, denom, out=u)
+            with np.errstate(over="ignore"):  # p below 2**-1022: counts past float64's range
+                np.divide(u, denom, out=u)
             np.ceil(u, out=u)
             if out.dtype == torch.int64:  # float(2**63 - 1) is 2**63, which has no int64
                 big = u >= 2.0**63
