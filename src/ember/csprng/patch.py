@@ -66,7 +66,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("torch.utils.data.graph_settings", "_is_random_datapipe",
          "tells a random datapipe (shuffle, sample) in a DataLoader's graph"),
     Hook("torch.utils.data.graph_settings", "get_all_graph_pipes", "the datapipes of a graph"),
-    Hook("torch.nn.init", "_make_deprecate", "rebuilds the deprecated nn.init.sparse alias"),
+    Hook("torch.nn.init", "sparse_",
+         "draws its zero pattern from the global generator: its code is replaced with a call to "
+         "ember's (the parameters are checked when it is installed)",
+         lambda v: hasattr(v, "__code__")),
     Hook("torch.jit._builtins", "_find_builtin", "lets torch.jit.script see a wrapper as the op"),
     Hook("torch.jit._builtins", "_register_builtin",
          "lets torch.jit.script see a wrapper as the op"),

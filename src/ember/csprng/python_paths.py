@@ -13,6 +13,7 @@ non-secure generator.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ def sparse_(tensor: torch.Tensor, sparsity: float, std: float = 0.01,
             generator: Any = None) -> torch.Tensor:
     """torch.nn.init.sparse_, with the zero pattern drawn from ``generator`` too."""
     if not isinstance(generator, Generator):
-        return _ORIGINAL_SPARSE(tensor, sparsity, std, generator=generator)
+        return _TORCH_SPARSE(tensor, sparsity, std, generator=generator)
     if tensor.ndimension() != 2:
         raise ValueError("Only tensors with 2 dimensions are supported")
     if tensor.is_meta:
@@ -41,6 +42,21 @@ def sparse_(tensor: torch.Tensor, sparsity: float, std: float = 0.01,
 
 
 _ORIGINAL_SPARSE = torch.nn.init.sparse_
+# a copy of torch's sparse_ with its own code: install() gives the original function new code
+_TORCH_SPARSE = types.FunctionType(_ORIGINAL_SPARSE.__code__, _ORIGINAL_SPARSE.__globals__,
+                                   _ORIGINAL_SPARSE.__name__, _ORIGINAL_SPARSE.__defaults__,
+                                   _ORIGINAL_SPARSE.__closure__)
+_TORCH_SPARSE.__kwdefaults__ = _ORIGINAL_SPARSE.__kwdefaults__
+
+
+def _routed_sparse(tensor, sparsity, std=0.01, generator=None):
+    # the code torch's own sparse_ function runs once ember is installed (it keeps torch's
+    # globals and defaults, so it imports what it calls): references to it taken before ember was
+    # imported (`from torch.nn.init import sparse_`, the deprecated `sparse` alias), and
+    # torch.compile inlining it, reach ember's sparse_
+    from ember.csprng.python_paths import sparse_ as ember_sparse_
+
+    return ember_sparse_(tensor, sparsity, std, generator)
 
 
 def _has_random_datapipe(dataset: Any) -> bool:
@@ -67,20 +83,27 @@ def _refuse_datapipe_seeding(original_init: Any) -> Any:
     return __init__
 
 
+def _check_same_parameters(torch_code: types.CodeType, code: types.CodeType) -> None:
+    def parameters(c: types.CodeType) -> tuple:
+        n = c.co_argcount + c.co_kwonlyargcount
+        return c.co_varnames[:n], c.co_argcount, c.co_posonlyargcount, c.co_flags & 0x0C
+    if parameters(torch_code) != parameters(code) or torch_code.co_freevars:
+        raise patch.TorchIncompatible(
+            f"ember.csprng does not support torch {torch.__version__}: torch.nn.init.sparse_ takes "
+            f"{torch_code.co_varnames[:torch_code.co_argcount]}, ember expects "
+            f"{code.co_varnames[:code.co_argcount]}")
+
+
 def install(originals: dict) -> None:
     """Replace the helpers; ``originals`` records (owner, name) -> original for uninstall."""
     init = torch.nn.init
-    from .torch_adapter import _EARLY_BOUND_CODES
-
-    # references to torch's sparse_ taken before this (`from torch.nn.init import sparse_`, and
-    # the deprecated `sparse` made from it) keep calling it: its normal_ call refuses ember
-    code = _ORIGINAL_SPARSE.__code__
-    _EARLY_BOUND_CODES[id(code)] = code
+    # torch's function object itself gets code that calls ember's sparse_, so every reference to
+    # it (taken before ember was imported too, or inlined by torch.compile) draws from ember
+    _check_same_parameters(_ORIGINAL_SPARSE.__code__, _routed_sparse.__code__)
+    originals[(_ORIGINAL_SPARSE, "__code__")] = _ORIGINAL_SPARSE.__code__
+    _ORIGINAL_SPARSE.__code__ = _routed_sparse.__code__
     originals[(init, "sparse_")] = init.sparse_
     init.sparse_ = sparse_
-    if hasattr(init, "sparse"):  # the deprecated alias calls the function it was made from
-        originals[(init, "sparse")] = init.sparse
-        init.sparse = patch.get("torch.nn.init._make_deprecate")(sparse_)
     cls = patch.get("torch.utils.data.dataloader._BaseDataLoaderIter")
     originals[(cls, "__init__")] = cls.__init__
     cls.__init__ = _refuse_datapipe_seeding(cls.__init__)

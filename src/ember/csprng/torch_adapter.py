@@ -14,7 +14,6 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from types import FrameType
 from typing import Any
 
 import torch
@@ -635,42 +634,6 @@ def _scalar_method(method: str, names: tuple[str, ...], defaults: tuple[Any, ...
     return impl
 
 
-def _normal_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    # torch's own nn.init.sparse_ (held by code that bound it before ember was imported) draws
-    # its values with this call and its zero pattern from the global Mersenne Twister next:
-    # refuse it here, before anything is drawn
-    if _called_from_early_bound_code():
-        raise TypeError(
-                "torch.nn.init.sparse_ bound before `import ember.csprng` (e.g. `from "
-                "torch.nn.init import sparse_`) draws its zero pattern from torch's global "
-                "Mersenne Twister, not from the ember generator; import ember.csprng first or "
-                "call torch.nn.init.sparse_ through the module")
-    return _normal_impl(self, *args, **kwargs)
-
-
-def _called_from_early_bound_code() -> bool:
-    """Whether one of the few frames above is running a code object in ``_EARLY_BOUND_CODES``.
-
-    Looked up by identity (``id``), never hashed: under torch.compile the frames above run code
-    that dynamo generated, whose constants can include a dict, and hashing such a code object
-    raises. The table holds the code objects, so their ids stay theirs.
-    """
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(6):  # _call, the wrapper, ...: the caller is a few frames up
-        if frame is None:
-            return False
-        if id(frame.f_code) in _EARLY_BOUND_CODES:
-            return True
-        frame = frame.f_back
-    return False
-
-
-_normal_impl = _scalar_method("normal_", spec.by_method("normal_").names,
-                              spec.by_method("normal_").defaults)
-# code objects of torch functions that are unsafe with an ember generator when called directly
-_EARLY_BOUND_CODES: dict[int, Any] = {}  # id(code) -> code
-
-
 def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     low, high = _pick(args, kwargs, ("from", "to"), (None, None))
@@ -723,7 +686,7 @@ _TORCH: dict[str, Callable[..., Any]] = {
     "_sample_dirichlet": _unsupported("torch._sample_dirichlet"),
     "rrelu": _unsupported("torch.rrelu"), "rrelu_": _unsupported("torch.rrelu_"),
 }
-_SPECIAL_METHODS = {"normal_": _normal_, "random_": _random_, "bernoulli_": _bernoulli_}
+_SPECIAL_METHODS = {"random_": _random_, "bernoulli_": _bernoulli_}
 _TENSOR = {
     d.tensor_method: _SPECIAL_METHODS.get(d.tensor_method)
     or _scalar_method(d.method, d.names, d.defaults)
