@@ -61,7 +61,8 @@ class Param:
 
 @dataclass(frozen=True)
 class DtypeRule:
-    """The dtypes a distribution fills, and the exception type torch raises for the others."""
+    """The dtypes a distribution fills (or, for one that returns a new tensor, reads: multinomial's
+    probabilities, poisson's rates), and the exception type torch raises for the others."""
 
     #: raised for an integer or bool tensor; None when integers are filled
     integers: type[Exception] | None = None
@@ -79,7 +80,7 @@ class DtypeRule:
 class Distribution:
     """A distribution as the adapter, the samplers and the CUDA paths see it."""
 
-    #: the sampler method that fills a tensor (``NativeSampler``, ``MT19937Sampler``)
+    #: the sampler method that draws it (``NativeSampler``, ``MT19937Sampler``)
     method: str
     params: tuple[Param, ...]
     dtypes: DtypeRule
@@ -87,6 +88,8 @@ class Distribution:
     op_name: str
     #: the torch.Tensor in-place method routed to it, if any
     tensor_method: str | None = None
+    #: further torch.Tensor methods that draw with it (``Tensor.multinomial``)
+    tensor_methods: tuple[str, ...] = ()
     #: torch functions that draw with it
     torch_functions: tuple[str, ...] = ()
     #: whether the Triton path (``cuda_backend``) fills it on CUDA
@@ -97,6 +100,9 @@ class Distribution:
     compat: bool = True
     #: a further check of the tensor's dtype and the parameters (torch's, where it has one)
     extra: Callable[[torch.dtype, tuple], None] | None = None
+    #: whether the sampler method fills a given tensor in place (``multinomial`` and ``poisson``
+    #: return a new one, drawn from the tensor the dtype rule is about)
+    fills: bool = True
 
     @property
     def defaults(self) -> tuple[Any, ...]:
@@ -174,6 +180,12 @@ DISTRIBUTIONS: tuple[Distribution, ...] = (
                  triton=True, nvrtc=("bernoulli",), compat=False, extra=_check_bernoulli_p),
     Distribution("randperm_", (), DtypeRule(only=_RANDPERM_DTYPES), "torch.randperm",
                  torch_functions=("randperm",)),
+    Distribution("multinomial", (Param("num_samples", None), Param("replacement", False)),
+                 DtypeRule(integers=InvalidArgument, complex=InvalidArgument), "torch.multinomial",
+                 torch_functions=("multinomial",), tensor_methods=("multinomial",), compat=False,
+                 fills=False),
+    Distribution("poisson", (), DtypeRule(integers=UnsupportedDtype, complex=UnsupportedDtype),
+                 "torch.poisson", torch_functions=("poisson",), compat=False, fills=False),
 )
 
 _BY_METHOD = {d.method: d for d in DISTRIBUTIONS}
@@ -244,7 +256,8 @@ def _plan(method: str, dtype: torch.dtype) -> tuple[type[Exception] | None, tupl
 
 
 def check(method: str, dtype: torch.dtype, params: tuple) -> None:
-    """Raise what torch raises for filling a ``dtype`` tensor with ``method(*params)``."""
+    """Raise what torch raises for filling a ``dtype`` tensor with ``method(*params)`` (for
+    ``multinomial`` and ``poisson``: for drawing from a ``dtype`` tensor)."""
     # called on every draw: one table lookup, and nothing else for the common unconstrained call
     plan = _PLANS.get((method, dtype)) or _plan(method, dtype)
     error, checks, extra = plan
@@ -261,12 +274,6 @@ def check_params(method: str, params: tuple) -> None:
     _check_params(method, params)
 
 
-def check_low_precision(op: str, dtype: torch.dtype) -> None:
-    """torch has no random kernels for float8 and float4 dtypes (multinomial, poisson too)."""
-    if _low_precision(dtype):
-        raise UnsupportedDtype(f"{op}: not implemented for {dtype} (torch raises too)")
-
-
 def fill_methods() -> tuple[str, ...]:
     """Every sampler method that fills a tensor."""
-    return tuple(d.method for d in DISTRIBUTIONS)
+    return tuple(d.method for d in DISTRIBUTIONS if d.fills)

@@ -570,10 +570,7 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
-    spec.check_low_precision("multinomial", input.dtype)
-    if not input.is_floating_point():
-        raise InvalidArgument(f"multinomial only supports floating-point dtypes for input, got: "
-                              f"{input.dtype}")
+    spec.check("multinomial", input.dtype, (num_samples, replacement))
     if input.dim() in (1, 2) and input.shape[-1] > 1 << 24:
         raise InvalidArgument("multinomial: number of categories cannot exceed 2^24, got "
                               f"{input.shape[-1]}")
@@ -595,9 +592,7 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
-    spec.check_low_precision("poisson", input.dtype)
-    if not input.is_floating_point():
-        raise UnsupportedDtype(f"poisson: not implemented for {input.dtype} (torch raises too)")
+    spec.check("poisson", input.dtype, ())
     if _abstract(input):  # shapes only: nothing to draw
         return torch.empty_like(input)
     _refuse_capture("torch.poisson", input)  # drawn on the CPU, then copied to the input's device
