@@ -32,3 +32,52 @@ def test_records_of_multinomial_and_poisson_refuse_as_torch_does(method, dtype, 
         spec.check(method, dtype, (2, False) if method == "multinomial" else ())
     for ok in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         spec.check(method, ok, (2, False) if method == "multinomial" else ())
+
+
+# ---------------------------------------------------------------------- routing
+def _record(method, **fields):
+    fields.setdefault("op_name", f"Tensor.{method}")
+    return spec.Distribution(method, (spec.Param("scale", 1.0),), spec.DtypeRule(), **fields)
+
+
+def test_the_adapter_routes_every_entry_point_the_records_name_and_nothing_else():
+    from ember.csprng import torch_adapter
+
+    functions = {n for d in spec.DISTRIBUTIONS for n in d.torch_functions}
+    methods = {n for d in spec.DISTRIBUTIONS
+               for n in (*d.tensor_methods, *([d.tensor_method] if d.tensor_method else []))}
+    assert set(torch_adapter._TORCH) == functions | set(torch_adapter._REFUSED)
+    assert set(torch_adapter._TENSOR) == methods
+    assert {"rand", "randn", "normal", "randint", "randperm", "multinomial", "poisson"} <= functions
+    for name in methods:  # installed on torch.Tensor (ember.csprng is imported)
+        assert getattr(torch.Tensor, name).__ember_original__ is not None
+
+
+def test_a_record_routed_by_nothing_is_an_error_naming_it():
+    from ember.csprng import torch_adapter
+
+    record = _record("rayleigh_", torch_functions=("rayleigh",))
+    with pytest.raises(spec.RecordMismatch, match=r"'rayleigh_'.*torch\.rayleigh"):
+        torch_adapter._routes((*spec.DISTRIBUTIONS, record), torch_adapter._SERVES, ())
+    # a non-filling record's Tensor method has no generic server either
+    record = _record("sample", tensor_methods=("sample",), fills=False)
+    with pytest.raises(spec.RecordMismatch, match=r"'sample'.*Tensor\.sample"):
+        torch_adapter._routes((*spec.DISTRIBUTIONS, record), torch_adapter._SERVES, ())
+
+
+def test_an_entry_point_no_record_names_is_an_error_naming_it():
+    from ember.csprng import torch_adapter
+
+    serves = {**torch_adapter._SERVES, "torch.rayleigh": torch_adapter._rand}
+    with pytest.raises(spec.RecordMismatch, match=r"torch\.rayleigh.*no record"):
+        torch_adapter._routes(spec.DISTRIBUTIONS, serves, ())
+    with pytest.raises(spec.RecordMismatch, match=r"torch\.rand is both routed"):
+        torch_adapter._routes(spec.DISTRIBUTIONS, torch_adapter._SERVES, ("rand",))
+
+
+def test_an_in_place_fill_needs_no_adapter_function():
+    from ember.csprng import torch_adapter
+
+    record = _record("rayleigh_", tensor_method="rayleigh_")
+    _, methods = torch_adapter._routes((*spec.DISTRIBUTIONS, record), torch_adapter._SERVES, ())
+    assert methods["rayleigh_"].__qualname__ == "_scalar_method.<locals>.impl"

@@ -15,14 +15,17 @@ the CUDA paths have it, a Triton fill (``cuda_backend``) and NVRTC kernels (``cu
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["DISTRIBUTIONS", "Constraint", "Distribution", "DtypeRule", "InvalidArgument", "Param",
-           "UnsupportedDtype", "UnsupportedLayout", "by_method", "check"]
+           "RecordMismatch", "UnsupportedDtype", "UnsupportedLayout", "by_method", "check",
+           "dispatch_table"]
+
+_T = TypeVar("_T")
 
 
 class InvalidArgument(RuntimeError, ValueError):
@@ -37,6 +40,12 @@ class UnsupportedDtype(NotImplementedError, TypeError):
 class UnsupportedLayout(NotImplementedError, TypeError):
     """A tensor layout the draws do not fill (sparse, ...): torch raises NotImplementedError (also
     a TypeError)."""
+
+
+class RecordMismatch(RuntimeError):
+    """A table built from the records does not match them: a record asks for an entry point or a
+    backend fill that its module does not implement, or a module implements one that no record
+    asks for. Raised when that module is imported."""
 
 
 class Constraint(enum.Enum):
@@ -176,7 +185,8 @@ DISTRIBUTIONS: tuple[Distribution, ...] = (
                  "Tensor.random_ (torch.randint)", torch_functions=("randint", "randint_like"),
                  triton=True, nvrtc=("integer", "refill")),
     Distribution("bernoulli_", (Param("p", 0.5),), DtypeRule(complex=UnsupportedDtype),
-                 "Tensor.bernoulli_", tensor_method="bernoulli_", torch_functions=("bernoulli",),
+                 "Tensor.bernoulli_", tensor_method="bernoulli_", tensor_methods=("bernoulli",),
+                 torch_functions=("bernoulli",),
                  triton=True, nvrtc=("bernoulli",), compat=False, extra=_check_bernoulli_p),
     Distribution("randperm_", (), DtypeRule(only=_RANDPERM_DTYPES), "torch.randperm",
                  torch_functions=("randperm",)),
@@ -277,3 +287,27 @@ def check_params(method: str, params: tuple) -> None:
 def fill_methods() -> tuple[str, ...]:
     """Every sampler method that fills a tensor."""
     return tuple(d.method for d in DISTRIBUTIONS if d.fills)
+
+
+def dispatch_table(where: str, wanted: Mapping[str, Distribution], impls: Mapping[str, _T],
+                   default: Callable[[str, Distribution], _T | None] | None = None
+                   ) -> dict[str, _T]:
+    """The table ``{name: implementation}`` of every name in ``wanted`` (each mapped to the record
+    that asks for it), taken from ``impls`` (what the module ``where`` implements), else from
+    ``default(name, record)``.
+
+    Raises :class:`RecordMismatch` naming the record when a name it asks for has no
+    implementation, and naming the implementation when no record asks for it.
+    """
+    unasked = sorted(set(impls) - set(wanted))
+    if unasked:
+        raise RecordMismatch(f"{where} implements {', '.join(unasked)}, which no record in "
+                             "ember.csprng.spec asks for")
+    table: dict[str, _T] = {}
+    for name, d in wanted.items():
+        impl = impls[name] if name in impls else default(name, d) if default else None
+        if impl is None:
+            raise RecordMismatch(f"the record {d.method!r} (ember.csprng.spec) asks for {name}, "
+                                 f"which {where} does not implement")
+        table[name] = impl
+    return table

@@ -708,23 +708,49 @@ def _tensor_bernoulli(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
 
 
 # ---------------------------------------------------------------------- installation
-_TORCH: dict[str, Callable[..., Any]] = {
-    "rand": _rand, "randn": _randn, "rand_like": _rand_like, "randn_like": _randn_like,
-    "randint": _randint, "randint_like": _randint_like, "randperm": _randperm,
-    "normal": _normal, "bernoulli": _bernoulli, "multinomial": _multinomial,
-    "poisson": _poisson,
-    "binomial": _unsupported("torch.binomial"),
-    "_standard_gamma": _unsupported("torch._standard_gamma"),
-    "_sample_dirichlet": _unsupported("torch._sample_dirichlet"),
-    "rrelu": _unsupported("torch.rrelu"), "rrelu_": _unsupported("torch.rrelu_"),
+# The function serving each entry point that a record of ember.csprng.spec names (its
+# torch_functions, tensor_method and tensor_methods); a record's in-place Tensor method not listed
+# here is served by _scalar_method. _routes checks this against the records on import.
+_SERVES: dict[str, Callable[..., Any]] = {
+    "torch.rand": _rand, "torch.randn": _randn, "torch.rand_like": _rand_like,
+    "torch.randn_like": _randn_like, "torch.randint": _randint, "torch.randint_like": _randint_like,
+    "torch.randperm": _randperm, "torch.normal": _normal, "torch.bernoulli": _bernoulli,
+    "torch.multinomial": _multinomial, "torch.poisson": _poisson,
+    "Tensor.normal_": _normal_, "Tensor.random_": _random_, "Tensor.bernoulli_": _bernoulli_,
+    "Tensor.bernoulli": _tensor_bernoulli, "Tensor.multinomial": _multinomial,
 }
-_SPECIAL_METHODS = {"normal_": _normal_, "random_": _random_, "bernoulli_": _bernoulli_}
-_TENSOR = {
-    d.tensor_method: _SPECIAL_METHODS.get(d.tensor_method)
-    or _scalar_method(d.method, d.names, d.defaults)
-    for d in spec.DISTRIBUTIONS if d.tensor_method is not None
-}
-_TENSOR.update(bernoulli=_tensor_bernoulli, multinomial=_multinomial)
+# torch functions that take a generator and have no record: refused for an ember generator
+_REFUSED = ("binomial", "_standard_gamma", "_sample_dirichlet", "rrelu", "rrelu_")
+
+
+def _routes(records: Sequence[spec.Distribution], serves: dict[str, Callable[..., Any]],
+            refused: Sequence[str]) -> tuple[dict[str, Callable[..., Any]],
+                                             dict[str, Callable[..., Any]]]:
+    """``(torch functions, Tensor methods)``: name -> the function that serves it, for every entry
+    point the ``records`` name, and the ``refused`` torch functions; raises
+    :class:`~ember.csprng.spec.RecordMismatch` where ``serves`` and the records disagree."""
+    wanted: dict[str, spec.Distribution] = {}
+    for d in records:
+        wanted.update({f"torch.{n}": d for n in d.torch_functions})
+        on_tensors = (*d.tensor_methods, *((d.tensor_method,) if d.tensor_method else ()))
+        wanted.update({f"Tensor.{n}": d for n in on_tensors})
+
+    def generic(name: str, d: spec.Distribution) -> Callable[..., Any] | None:
+        if d.fills and name == f"Tensor.{d.tensor_method}":
+            return _scalar_method(d.method, d.names, d.defaults)
+        return None
+
+    table = spec.dispatch_table("ember.csprng.torch_adapter", wanted, serves, generic)
+    routed = sorted(n for n in refused if f"torch.{n}" in table)
+    if routed:
+        raise spec.RecordMismatch(f"torch.{routed[0]} is both routed to a record and refused")
+    functions = {n.partition(".")[2]: f for n, f in table.items() if n.startswith("torch.")}
+    functions.update({n: _unsupported(f"torch.{n}") for n in refused})
+    methods = {n.partition(".")[2]: f for n, f in table.items() if n.startswith("Tensor.")}
+    return functions, methods
+
+
+_TORCH, _TENSOR = _routes(spec.DISTRIBUTIONS, _SERVES, _REFUSED)
 
 
 def _wraps(original: Callable[..., Any]):
