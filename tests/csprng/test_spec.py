@@ -81,3 +81,37 @@ def test_an_in_place_fill_needs_no_adapter_function():
     record = _record("rayleigh_", tensor_method="rayleigh_")
     _, methods = torch_adapter._routes((*spec.DISTRIBUTIONS, record), torch_adapter._SERVES, ())
     assert methods["rayleigh_"].__qualname__ == "_scalar_method.<locals>.impl"
+
+
+# ---------------------------------------------------------------------- CUDA tables
+def test_the_cuda_tables_are_the_records_fills():
+    from ember.csprng import cuda_backend, cuda_fast
+
+    assert set(cuda_backend._FILLS) == {d.method for d in spec.DISTRIBUTIONS if d.triton}
+    assert set(cuda_backend._FILLS) == set(cuda_backend.SUPPORTED_METHODS)
+    assert set(cuda_fast._FILLS) == {d.method for d in spec.DISTRIBUTIONS if d.nvrtc}
+    assert set(cuda_fast._FILLS) == cuda_fast.FAST_METHODS
+
+
+def test_a_record_asking_for_a_triton_fill_the_backend_lacks_is_an_error_naming_it():
+    from ember.csprng import cuda_backend
+
+    record = _record("rayleigh_", tensor_method="rayleigh_", triton=True)
+    with pytest.raises(spec.RecordMismatch, match=r"'rayleigh_'.*cuda_backend"):
+        cuda_backend._fill_table((*spec.DISTRIBUTIONS, record))
+    # and a fill no record asks for
+    no_uniform = [d for d in spec.DISTRIBUTIONS if d.method != "uniform_"]
+    with pytest.raises(spec.RecordMismatch, match=r"cuda_backend \(Triton\) implements uniform_"):
+        cuda_backend._fill_table(no_uniform)
+
+
+def test_a_record_asking_for_nvrtc_fills_or_kernels_that_are_missing_is_an_error_naming_it():
+    from ember.csprng import cuda_fast
+
+    record = _record("rayleigh_", tensor_method="rayleigh_", nvrtc=("exponential",))
+    with pytest.raises(spec.RecordMismatch, match=r"'rayleigh_'.*cuda_fast"):
+        cuda_fast._fill_table((*spec.DISTRIBUTIONS, record))
+    record = _record("uniform_", nvrtc=("rayleigh",))
+    others = [d for d in spec.DISTRIBUTIONS if d.method != "uniform_"]
+    with pytest.raises(spec.RecordMismatch, match=r"'uniform_'.*ember_aes_rayleigh"):
+        cuda_fast._fill_table((*others, record))
