@@ -87,6 +87,15 @@ CASES = {
     "meta uniform_(2, 1)": lambda g: _meta(3).uniform_(2, 1, generator=g),
     "meta random_(5, 3)": lambda g: _meta(3).random_(5, 3, generator=g),
     "meta randint(5, 3)": lambda g: torch.randint(5, 3, (3,), device="meta", generator=g),
+    # torch's meta kernels of multinomial and poisson check no dtype
+    "meta multinomial(int64)": lambda g: torch.multinomial(_meta(3).long(), 2, generator=g),
+    "meta multinomial(float8)": lambda g: torch.multinomial(_meta(3).to(F8), 2, generator=g),
+    "meta multinomial(out=int32)": lambda g: torch.multinomial(
+        _meta(3), 2, generator=g, out=_meta(2).int()),
+    "meta multinomial(3 dims)": lambda g: torch.multinomial(_meta(2, 2, 3), 2, generator=g),
+    "meta poisson(int64)": lambda g: torch.poisson(_meta(3).long(), g),
+    "meta poisson(bool)": lambda g: torch.poisson(_meta(3).bool(), generator=g),
+    "meta poisson(float8)": lambda g: torch.poisson(_meta(3).to(F8), g),
     # overflow: inf where torch gives inf, and no NumPy warning
     "half log_normal_(7, 7)": lambda g: torch.empty(1000, dtype=torch.half).log_normal_(
         7, 7, generator=g),

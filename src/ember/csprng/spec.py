@@ -83,6 +83,9 @@ class DtypeRule:
     wide_uints: bool = False
     #: the only dtypes filled, when the rule is a list
     only: tuple[torch.dtype, ...] | None = None
+    #: whether torch applies the rule to meta tensors too (its meta kernels of multinomial and
+    #: poisson check no dtype)
+    on_meta: bool = True
 
 
 @dataclass(frozen=True)
@@ -191,10 +194,12 @@ DISTRIBUTIONS: tuple[Distribution, ...] = (
     Distribution("randperm_", (), DtypeRule(only=_RANDPERM_DTYPES), "torch.randperm",
                  torch_functions=("randperm",)),
     Distribution("multinomial", (Param("num_samples", None), Param("replacement", False)),
-                 DtypeRule(integers=InvalidArgument, complex=InvalidArgument), "torch.multinomial",
+                 DtypeRule(integers=InvalidArgument, complex=InvalidArgument, on_meta=False),
+                 "torch.multinomial",
                  torch_functions=("multinomial",), tensor_methods=("multinomial",), compat=False,
                  fills=False),
-    Distribution("poisson", (), DtypeRule(integers=UnsupportedDtype, complex=UnsupportedDtype),
+    Distribution("poisson", (),
+                 DtypeRule(integers=UnsupportedDtype, complex=UnsupportedDtype, on_meta=False),
                  "torch.poisson", torch_functions=("poisson",), compat=False, fills=False),
 )
 
@@ -277,6 +282,15 @@ def check(method: str, dtype: torch.dtype, params: tuple) -> None:
         _check_values(method, checks, params)
     if extra is not None:
         extra(dtype, params)
+
+
+def check_input(method: str, dtype: torch.dtype, params: tuple, abstract: bool) -> None:
+    """:func:`check` for a distribution drawn from an input tensor of ``dtype`` (``multinomial``,
+    ``poisson``); for a meta or fake input (``abstract``), only what torch's meta kernel checks."""
+    if abstract and not _BY_METHOD[method].dtypes.on_meta:
+        _check_params(method, params)
+    else:
+        check(method, dtype, params)
 
 
 def check_params(method: str, params: tuple) -> None:

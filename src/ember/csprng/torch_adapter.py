@@ -570,13 +570,14 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
-    spec.check("multinomial", input.dtype, (num_samples, replacement))
+    abstract = _abstract(input)
+    spec.check_input("multinomial", input.dtype, (num_samples, replacement), abstract)
     if input.dim() in (1, 2) and input.shape[-1] > 1 << 24:
         raise InvalidArgument("multinomial: number of categories cannot exceed 2^24, got "
                               f"{input.shape[-1]}")
-    if out is not None and out.dtype != torch.int64:
+    if out is not None and out.dtype != torch.int64 and not abstract:  # torch's meta kernel takes it
         raise InvalidArgument(f"multinomial expects Long tensor out, got: {out.dtype}")
-    if _abstract(input):  # shapes only: nothing to draw
+    if abstract:  # shapes only: nothing to draw
         if input.dim() not in (1, 2):
             raise InvalidArgument(f"multinomial: prob_dist must be 1 or 2 dim, got {input.dim()}")
         res = torch.empty((*input.shape[:-1], num_samples), dtype=torch.int64, device=input.device)
@@ -592,8 +593,9 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
-    spec.check("poisson", input.dtype, ())
-    if _abstract(input):  # shapes only: nothing to draw
+    abstract = _abstract(input)
+    spec.check_input("poisson", input.dtype, (), abstract)
+    if abstract:  # shapes only: nothing to draw
         return torch.empty_like(input)
     _refuse_capture("torch.poisson", input)  # drawn on the CPU, then copied to the input's device
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
