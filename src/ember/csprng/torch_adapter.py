@@ -566,7 +566,7 @@ class _ZeroGradient(torch.autograd.Function):
 def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     out = kwargs.pop("out", None)
-    num_samples, replacement = _pick(args, kwargs, ("num_samples", "replacement"), (None, False))
+    num_samples, replacement = _pick(args, kwargs, _MULTINOMIAL.names, _MULTINOMIAL.defaults)
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
@@ -590,6 +590,9 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
         out.resize_(res.shape).copy_(res)
         return out
     return res if res.numel() else torch.empty(res.shape, dtype=res.dtype, device=res.device)
+
+
+_MULTINOMIAL = spec.by_method("multinomial")
 
 
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
