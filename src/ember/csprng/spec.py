@@ -1,15 +1,20 @@
-"""One record per distribution: what torch calls it, its parameters, the dtypes it fills, and where
-each backend implements it.
+"""One record per distribution: what torch calls it, its parameters, the dtypes it fills (or, for
+``multinomial`` and ``poisson``, reads), and where each backend implements it.
 
-Every table that used to be keyed by a method's name (the adapter's dtype checks, the CUDA
-backends' dispatch tables and capture messages, ``ops``'s methods, the torchcsprng-compatible
-sampler's refusals) is derived from :data:`DISTRIBUTIONS`. Argument checking follows torch's rules
-here, in one place, as NumPy's random validates arguments by constraint: a record names the
-constraint of each parameter and the dtype rule, and :func:`check` applies them with torch's
-exception types and messages before anything is drawn (on meta tensors too, as torch does).
+Every table keyed by a method's name is derived from :data:`DISTRIBUTIONS`: the adapter's routing
+of torch functions and Tensor methods and its checks, the CUDA backends' fill tables and capture
+messages, ``ops``'s methods, the torchcsprng-compatible sampler's refusals. Argument checking
+follows torch's rules here, in one place, as NumPy's random validates arguments by constraint: a
+record names the constraint of each parameter and the dtype rule, and :func:`check` applies them
+with torch's exception types and messages before anything is drawn (on meta tensors too, where
+torch does).
 
-Adding a distribution takes a record here, the CPU sampler method (``distributions``), and, where
-the CUDA paths have it, a Triton fill (``cuda_backend``) and NVRTC kernels (``cuda_fast``).
+Adding a distribution takes a record here and the CPU sampler method (``distributions``); where
+torch has a function for it (not only an in-place Tensor method), the function serving it
+(``torch_adapter._SERVES``); where the CUDA paths have it, a Triton fill (``cuda_backend``) and the
+host side of its NVRTC kernels (``cuda_fast``). Each table is checked against the records when its
+module is imported (:func:`dispatch_table`): a record asking for something its module lacks is an
+error naming the record.
 """
 
 from __future__ import annotations
