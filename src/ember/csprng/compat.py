@@ -306,13 +306,6 @@ class MT19937Sampler:
             perm[i], perm[j] = perm[j], perm[i]
         out.view(-1).copy_(torch.tensor(perm, dtype=torch.int64))
 
-    # ------------------------------------------------------------------ not in torchcsprng
-    def multinomial(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise NotImplementedError(_missing("multinomial"))
-
-    def poisson(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise NotImplementedError(_missing("poisson"))
-
 
 def _refusal(op: str) -> Callable[..., None]:
     def missing(self: MT19937Sampler, *args: object, **kwargs: object) -> None:
@@ -322,7 +315,7 @@ def _refusal(op: str) -> Callable[..., None]:
     return missing
 
 
-for _d in spec.DISTRIBUTIONS:  # the distributions torchcsprng did not have (bernoulli_)
+for _d in spec.DISTRIBUTIONS:  # the distributions torchcsprng did not have (bernoulli_, poisson, ...)
     if not _d.compat:
         setattr(MT19937Sampler, _d.method, _refusal(_d.method))
 

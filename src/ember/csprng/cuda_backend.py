@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from types import ModuleType
 from typing import Any
@@ -625,7 +626,8 @@ def _bernoulli_p(out: torch.Tensor, p: torch.Tensor, *, wait: bool = True) -> to
     return pt
 
 
-_FILLS = {
+# the Triton fill of each record with triton=True (ember.csprng.spec)
+_IMPLEMENTS: dict[str, Callable[[_Fill], None]] = {
     "uniform_": _uniform,
     "normal_": _normal_family(log=False),
     "log_normal_": _normal_family(log=True),
@@ -636,6 +638,16 @@ _FILLS = {
     "random_range_": _random_range,
     "bernoulli_": _bernoulli,
 }
+
+
+def _fill_table(records: Sequence[spec.Distribution]) -> dict[str, Callable[[_Fill], None]]:
+    """method -> Triton fill, for each of ``records`` with ``triton=True``; raises
+    :class:`~ember.csprng.spec.RecordMismatch` naming a record whose fill this module lacks."""
+    return spec.dispatch_table("ember.csprng.cuda_backend (Triton)",
+                               {d.method: d for d in records if d.triton}, _IMPLEMENTS)
+
+
+_FILLS = _fill_table(spec.DISTRIBUTIONS)
 
 
 # ---------------------------------------------------------------------------- encrypt / decrypt

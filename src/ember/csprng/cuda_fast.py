@@ -14,6 +14,7 @@ a GPU instead of executing them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -292,7 +293,8 @@ def _bernoulli(c: _Call, params: tuple) -> None:
     c.fill("bernoulli", p, c.n * 8)
 
 
-_FILLS = {
+# the host side of each record with NVRTC kernels (ember.csprng.spec)
+_IMPLEMENTS: dict[str, Callable[[_Call, tuple], None]] = {
     "uniform_": _uniform,
     "normal_": _normal_family(log=False),
     "log_normal_": _normal_family(log=True),
@@ -301,6 +303,24 @@ _FILLS = {
     "random_range_": _random_range,
     "bernoulli_": _bernoulli,
 }
+
+
+def _fill_table(records: Sequence[spec.Distribution]) -> dict[str, Callable[[_Call, tuple], None]]:
+    """method -> host fill, for each of ``records`` with NVRTC kernels; raises
+    :class:`~ember.csprng.spec.RecordMismatch` naming a record whose fill or kernels (for either
+    cipher) this module or ``nvrtc_kernels`` lacks."""
+    wanted = {d.method: d for d in records if d.nvrtc}
+    for d in wanted.values():
+        missing = [k for op in d.nvrtc for c in _CIPHER.values()
+                   if (k := f"ember_{c}_{op}") not in nk.KERNELS]
+        if missing:
+            raise spec.RecordMismatch(
+                f"the record {d.method!r} (ember.csprng.spec) asks for the NVRTC kernel "
+                f"{missing[0]}, which ember.csprng.nvrtc_kernels does not have")
+    return spec.dispatch_table("ember.csprng.cuda_fast (NVRTC)", wanted, _IMPLEMENTS)
+
+
+_FILLS = _fill_table(spec.DISTRIBUTIONS)
 
 
 MULTI_BLOCKS = 1024  # blocks of a normal_multi launch per tensor at most (grid-stride beyond)

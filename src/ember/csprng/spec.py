@@ -1,28 +1,36 @@
-"""One record per distribution: what torch calls it, its parameters, the dtypes it fills, and where
-each backend implements it.
+"""One record per distribution: what torch calls it, its parameters, the dtypes it fills (or, for
+``multinomial`` and ``poisson``, reads), and where each backend implements it.
 
-Every table that used to be keyed by a method's name (the adapter's dtype checks, the CUDA
-backends' dispatch tables and capture messages, ``ops``'s methods, the torchcsprng-compatible
-sampler's refusals) is derived from :data:`DISTRIBUTIONS`. Argument checking follows torch's rules
-here, in one place, as NumPy's random validates arguments by constraint: a record names the
-constraint of each parameter and the dtype rule, and :func:`check` applies them with torch's
-exception types and messages before anything is drawn (on meta tensors too, as torch does).
+Every table keyed by a method's name is derived from :data:`DISTRIBUTIONS`: the adapter's routing
+of torch functions and Tensor methods and its checks, the CUDA backends' fill tables and capture
+messages, ``ops``'s methods, the torchcsprng-compatible sampler's refusals. Argument checking
+follows torch's rules here, in one place, as NumPy's random validates arguments by constraint: a
+record names the constraint of each parameter and the dtype rule, and :func:`check` applies them
+with torch's exception types and messages before anything is drawn (on meta tensors too, where
+torch does).
 
-Adding a distribution takes a record here, the CPU sampler method (``distributions``), and, where
-the CUDA paths have it, a Triton fill (``cuda_backend``) and NVRTC kernels (``cuda_fast``).
+Adding a distribution takes a record here and the CPU sampler method (``distributions``); where
+torch has a function for it (not only an in-place Tensor method), the function serving it
+(``torch_adapter._SERVES``); where the CUDA paths have it, a Triton fill (``cuda_backend``) and the
+host side of its NVRTC kernels (``cuda_fast``). Each table is checked against the records when its
+module is imported (:func:`dispatch_table`): a record asking for something its module lacks is an
+error naming the record.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["DISTRIBUTIONS", "Constraint", "Distribution", "DtypeRule", "InvalidArgument", "Param",
-           "UnsupportedDtype", "UnsupportedLayout", "by_method", "check"]
+           "RecordMismatch", "UnsupportedDtype", "UnsupportedLayout", "by_method", "check",
+           "dispatch_table"]
+
+_T = TypeVar("_T")
 
 
 class InvalidArgument(RuntimeError, ValueError):
@@ -37,6 +45,12 @@ class UnsupportedDtype(NotImplementedError, TypeError):
 class UnsupportedLayout(NotImplementedError, TypeError):
     """A tensor layout the draws do not fill (sparse, ...): torch raises NotImplementedError (also
     a TypeError)."""
+
+
+class RecordMismatch(RuntimeError):
+    """A table built from the records does not match them: a record asks for an entry point or a
+    backend fill that its module does not implement, or a module implements one that no record
+    asks for. Raised when that module is imported."""
 
 
 class Constraint(enum.Enum):
@@ -61,7 +75,8 @@ class Param:
 
 @dataclass(frozen=True)
 class DtypeRule:
-    """The dtypes a distribution fills, and the exception type torch raises for the others."""
+    """The dtypes a distribution fills (or, for one that returns a new tensor, reads: multinomial's
+    probabilities, poisson's rates), and the exception type torch raises for the others."""
 
     #: raised for an integer or bool tensor; None when integers are filled
     integers: type[Exception] | None = None
@@ -73,13 +88,16 @@ class DtypeRule:
     wide_uints: bool = False
     #: the only dtypes filled, when the rule is a list
     only: tuple[torch.dtype, ...] | None = None
+    #: whether torch applies the rule to meta tensors too (its meta kernels of multinomial and
+    #: poisson check no dtype)
+    on_meta: bool = True
 
 
 @dataclass(frozen=True)
 class Distribution:
     """A distribution as the adapter, the samplers and the CUDA paths see it."""
 
-    #: the sampler method that fills a tensor (``NativeSampler``, ``MT19937Sampler``)
+    #: the sampler method that draws it (``NativeSampler``, ``MT19937Sampler``)
     method: str
     params: tuple[Param, ...]
     dtypes: DtypeRule
@@ -87,6 +105,8 @@ class Distribution:
     op_name: str
     #: the torch.Tensor in-place method routed to it, if any
     tensor_method: str | None = None
+    #: further torch.Tensor methods that draw with it (``Tensor.multinomial``)
+    tensor_methods: tuple[str, ...] = ()
     #: torch functions that draw with it
     torch_functions: tuple[str, ...] = ()
     #: whether the Triton path (``cuda_backend``) fills it on CUDA
@@ -97,6 +117,9 @@ class Distribution:
     compat: bool = True
     #: a further check of the tensor's dtype and the parameters (torch's, where it has one)
     extra: Callable[[torch.dtype, tuple], None] | None = None
+    #: whether the sampler method fills a given tensor in place (``multinomial`` and ``poisson``
+    #: return a new one, drawn from the tensor the dtype rule is about)
+    fills: bool = True
 
     @property
     def defaults(self) -> tuple[Any, ...]:
@@ -170,10 +193,19 @@ DISTRIBUTIONS: tuple[Distribution, ...] = (
                  "Tensor.random_ (torch.randint)", torch_functions=("randint", "randint_like"),
                  triton=True, nvrtc=("integer", "refill")),
     Distribution("bernoulli_", (Param("p", 0.5),), DtypeRule(complex=UnsupportedDtype),
-                 "Tensor.bernoulli_", tensor_method="bernoulli_", torch_functions=("bernoulli",),
+                 "Tensor.bernoulli_", tensor_method="bernoulli_", tensor_methods=("bernoulli",),
+                 torch_functions=("bernoulli",),
                  triton=True, nvrtc=("bernoulli",), compat=False, extra=_check_bernoulli_p),
     Distribution("randperm_", (), DtypeRule(only=_RANDPERM_DTYPES), "torch.randperm",
                  torch_functions=("randperm",)),
+    Distribution("multinomial", (Param("num_samples", None), Param("replacement", False)),
+                 DtypeRule(integers=InvalidArgument, complex=InvalidArgument, on_meta=False),
+                 "torch.multinomial",
+                 torch_functions=("multinomial",), tensor_methods=("multinomial",), compat=False,
+                 fills=False),
+    Distribution("poisson", (),
+                 DtypeRule(integers=UnsupportedDtype, complex=UnsupportedDtype, on_meta=False),
+                 "torch.poisson", torch_functions=("poisson",), compat=False, fills=False),
 )
 
 _BY_METHOD = {d.method: d for d in DISTRIBUTIONS}
@@ -244,7 +276,8 @@ def _plan(method: str, dtype: torch.dtype) -> tuple[type[Exception] | None, tupl
 
 
 def check(method: str, dtype: torch.dtype, params: tuple) -> None:
-    """Raise what torch raises for filling a ``dtype`` tensor with ``method(*params)``."""
+    """Raise what torch raises for filling a ``dtype`` tensor with ``method(*params)`` (for
+    ``multinomial`` and ``poisson``: for drawing from a ``dtype`` tensor)."""
     # called on every draw: one table lookup, and nothing else for the common unconstrained call
     plan = _PLANS.get((method, dtype)) or _plan(method, dtype)
     error, checks, extra = plan
@@ -256,17 +289,44 @@ def check(method: str, dtype: torch.dtype, params: tuple) -> None:
         extra(dtype, params)
 
 
+def check_input(method: str, dtype: torch.dtype, params: tuple, abstract: bool) -> None:
+    """:func:`check` for a distribution drawn from an input tensor of ``dtype`` (``multinomial``,
+    ``poisson``); for a meta or fake input (``abstract``), only what torch's meta kernel checks."""
+    if abstract and not _BY_METHOD[method].dtypes.on_meta:
+        _check_params(method, params)
+    else:
+        check(method, dtype, params)
+
+
 def check_params(method: str, params: tuple) -> None:
     """Raise what torch raises for ``method``'s number parameters ``params`` (any dtype)."""
     _check_params(method, params)
 
 
-def check_low_precision(op: str, dtype: torch.dtype) -> None:
-    """torch has no random kernels for float8 and float4 dtypes (multinomial, poisson too)."""
-    if _low_precision(dtype):
-        raise UnsupportedDtype(f"{op}: not implemented for {dtype} (torch raises too)")
-
-
 def fill_methods() -> tuple[str, ...]:
     """Every sampler method that fills a tensor."""
-    return tuple(d.method for d in DISTRIBUTIONS)
+    return tuple(d.method for d in DISTRIBUTIONS if d.fills)
+
+
+def dispatch_table(where: str, wanted: Mapping[str, Distribution], impls: Mapping[str, _T],
+                   default: Callable[[str, Distribution], _T | None] | None = None
+                   ) -> dict[str, _T]:
+    """The table ``{name: implementation}`` of every name in ``wanted`` (each mapped to the record
+    that asks for it), taken from ``impls`` (what the module ``where`` implements), else from
+    ``default(name, record)``.
+
+    Raises :class:`RecordMismatch` naming the record when a name it asks for has no
+    implementation, and naming the implementation when no record asks for it.
+    """
+    unasked = sorted(set(impls) - set(wanted))
+    if unasked:
+        raise RecordMismatch(f"{where} implements {', '.join(unasked)}, which no record in "
+                             "ember.csprng.spec asks for")
+    table: dict[str, _T] = {}
+    for name, d in wanted.items():
+        impl = impls[name] if name in impls else default(name, d) if default else None
+        if impl is None:
+            raise RecordMismatch(f"the record {d.method!r} (ember.csprng.spec) asks for {name}, "
+                                 f"which {where} does not implement")
+        table[name] = impl
+    return table

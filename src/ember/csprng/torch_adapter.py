@@ -565,20 +565,18 @@ class _ZeroGradient(torch.autograd.Function):
 def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     out = kwargs.pop("out", None)
-    num_samples, replacement = _pick(args, kwargs, ("num_samples", "replacement"), (None, False))
+    num_samples, replacement = _pick(args, kwargs, _MULTINOMIAL.names, _MULTINOMIAL.defaults)
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
-    spec.check_low_precision("multinomial", input.dtype)
-    if not input.is_floating_point():
-        raise InvalidArgument(f"multinomial only supports floating-point dtypes for input, got: "
-                              f"{input.dtype}")
+    abstract = _abstract(input)
+    spec.check_input("multinomial", input.dtype, (num_samples, replacement), abstract)
     if input.dim() in (1, 2) and input.shape[-1] > 1 << 24:
         raise InvalidArgument("multinomial: number of categories cannot exceed 2^24, got "
                               f"{input.shape[-1]}")
-    if out is not None and out.dtype != torch.int64:
+    if out is not None and out.dtype != torch.int64 and not abstract:  # torch's meta kernel takes it
         raise InvalidArgument(f"multinomial expects Long tensor out, got: {out.dtype}")
-    if _abstract(input):  # shapes only: nothing to draw
+    if abstract:  # shapes only: nothing to draw
         if input.dim() not in (1, 2):
             raise InvalidArgument(f"multinomial: prob_dist must be 1 or 2 dim, got {input.dim()}")
         res = torch.empty((*input.shape[:-1], num_samples), dtype=torch.int64, device=input.device)
@@ -593,11 +591,13 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     return res if res.numel() else torch.empty(res.shape, dtype=res.dtype, device=res.device)
 
 
+_MULTINOMIAL = spec.by_method("multinomial")
+
+
 def _poisson(input: torch.Tensor, generator: Any = None) -> torch.Tensor:
-    spec.check_low_precision("poisson", input.dtype)
-    if not input.is_floating_point():
-        raise UnsupportedDtype(f"poisson: not implemented for {input.dtype} (torch raises too)")
-    if _abstract(input):  # shapes only: nothing to draw
+    abstract = _abstract(input)
+    spec.check_input("poisson", input.dtype, (), abstract)
+    if abstract:  # shapes only: nothing to draw
         return torch.empty_like(input)
     _refuse_capture("torch.poisson", input)  # drawn on the CPU, then copied to the input's device
     with torch._C._DisableFuncTorch():  # inside torch.func: NumPy reads plain tensors
@@ -676,23 +676,49 @@ def _tensor_bernoulli(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
 
 
 # ---------------------------------------------------------------------- installation
-_TORCH: dict[str, Callable[..., Any]] = {
-    "rand": _rand, "randn": _randn, "rand_like": _rand_like, "randn_like": _randn_like,
-    "randint": _randint, "randint_like": _randint_like, "randperm": _randperm,
-    "normal": _normal, "bernoulli": _bernoulli, "multinomial": _multinomial,
-    "poisson": _poisson,
-    "binomial": _unsupported("torch.binomial"),
-    "_standard_gamma": _unsupported("torch._standard_gamma"),
-    "_sample_dirichlet": _unsupported("torch._sample_dirichlet"),
-    "rrelu": _unsupported("torch.rrelu"), "rrelu_": _unsupported("torch.rrelu_"),
+# The function serving each entry point that a record of ember.csprng.spec names (its
+# torch_functions, tensor_method and tensor_methods); a record's in-place Tensor method not listed
+# here is served by _scalar_method. _routes checks this against the records on import.
+_SERVES: dict[str, Callable[..., Any]] = {
+    "torch.rand": _rand, "torch.randn": _randn, "torch.rand_like": _rand_like,
+    "torch.randn_like": _randn_like, "torch.randint": _randint, "torch.randint_like": _randint_like,
+    "torch.randperm": _randperm, "torch.normal": _normal, "torch.bernoulli": _bernoulli,
+    "torch.multinomial": _multinomial, "torch.poisson": _poisson,
+    "Tensor.random_": _random_, "Tensor.bernoulli_": _bernoulli_,
+    "Tensor.bernoulli": _tensor_bernoulli, "Tensor.multinomial": _multinomial,
 }
-_SPECIAL_METHODS = {"random_": _random_, "bernoulli_": _bernoulli_}
-_TENSOR = {
-    d.tensor_method: _SPECIAL_METHODS.get(d.tensor_method)
-    or _scalar_method(d.method, d.names, d.defaults)
-    for d in spec.DISTRIBUTIONS if d.tensor_method is not None
-}
-_TENSOR.update(bernoulli=_tensor_bernoulli, multinomial=_multinomial)
+# torch functions that take a generator and have no record: refused for an ember generator
+_REFUSED = ("binomial", "_standard_gamma", "_sample_dirichlet", "rrelu", "rrelu_")
+
+
+def _routes(records: Sequence[spec.Distribution], serves: dict[str, Callable[..., Any]],
+            refused: Sequence[str]) -> tuple[dict[str, Callable[..., Any]],
+                                             dict[str, Callable[..., Any]]]:
+    """``(torch functions, Tensor methods)``: name -> the function that serves it, for every entry
+    point the ``records`` name, and the ``refused`` torch functions; raises
+    :class:`~ember.csprng.spec.RecordMismatch` where ``serves`` and the records disagree."""
+    wanted: dict[str, spec.Distribution] = {}
+    for d in records:
+        wanted.update({f"torch.{n}": d for n in d.torch_functions})
+        on_tensors = (*d.tensor_methods, *((d.tensor_method,) if d.tensor_method else ()))
+        wanted.update({f"Tensor.{n}": d for n in on_tensors})
+
+    def generic(name: str, d: spec.Distribution) -> Callable[..., Any] | None:
+        if d.fills and name == f"Tensor.{d.tensor_method}":
+            return _scalar_method(d.method, d.names, d.defaults)
+        return None
+
+    table = spec.dispatch_table("ember.csprng.torch_adapter", wanted, serves, generic)
+    routed = sorted(n for n in refused if f"torch.{n}" in table)
+    if routed:
+        raise spec.RecordMismatch(f"torch.{routed[0]} is both routed to a record and refused")
+    functions = {n.partition(".")[2]: f for n, f in table.items() if n.startswith("torch.")}
+    functions.update({n: _unsupported(f"torch.{n}") for n in refused})
+    methods = {n.partition(".")[2]: f for n, f in table.items() if n.startswith("Tensor.")}
+    return functions, methods
+
+
+_TORCH, _TENSOR = _routes(spec.DISTRIBUTIONS, _SERVES, _REFUSED)
 
 
 def _wraps(original: Callable[..., Any]):
