@@ -450,3 +450,260 @@ def test_sparse_init_bound_before_ember_was_imported_draws_from_ember_when_compi
                          timeout=600)
     assert res.stdout.split("\n")[:-1] == [
         "same as eager True", "same as eager True", "mt untouched True"], res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- uniform_ bounds
+@pytest.mark.parametrize("dtype,a,b", [
+    (torch.float16, -1e38, 1e38), (torch.float16, 1e300, 1e301), (torch.bfloat16, 1e300, 1e301),
+    (torch.float32, 1e300, 1e301), (torch.float16, -65504, 65504), (torch.float32, -3e38, 3e38),
+    (torch.bfloat16, -3e38, 3e38), (torch.float16, 65504, 65520), (torch.float16, 0, 70000),
+    (torch.float64, -1.7e308, 1.7e308), (torch.float16, 0, 65504), (torch.float16, -65504, 0),
+    (torch.float32, 0, 3.4e38),
+])
+def test_uniform_bounds_outside_the_dtype_raise_like_torch(dtype, a, b):
+    mine, theirs = assert_same_outcome(
+        lambda g: torch.empty(1000, dtype=dtype).uniform_(a, b, generator=g))
+    if theirs is not None:
+        assert bool(mine.isfinite().all())
+        assert float(mine.min()) >= a and float(mine.max()) <= b
+
+
+# ---------------------------------------------------------------- normal's tensor overloads
+@pytest.mark.parametrize("call", [
+    lambda g: torch.normal(torch.zeros(3, dtype=torch.int64), torch.ones(3), generator=g),
+    lambda g: torch.normal(torch.zeros(3), torch.ones(3), generator=g,
+                           out=torch.empty(3, dtype=torch.int64)),
+    lambda g: torch.normal(torch.zeros(3), 1.0, generator=g, out=torch.empty(3, dtype=torch.int32)),
+    lambda g: torch.normal(torch.zeros(3, requires_grad=True), torch.ones(3), generator=g,
+                           out=torch.empty(3)),
+    lambda g: torch.normal(0.0, torch.ones(3, requires_grad=True), generator=g, out=torch.empty(3)),
+    lambda g: torch.normal(torch.zeros(3), torch.ones(3, dtype=torch.int64), generator=g),
+    lambda g: torch.normal(torch.zeros(3, dtype=torch.float16), torch.ones(3), generator=g),
+    lambda g: torch.normal(torch.zeros(3), torch.ones(3, dtype=torch.float64), generator=g),
+], ids=["int-mean", "int-out", "int-out-float-std", "out-mean-grad", "out-std-grad", "int-std",
+        "f16-f32", "f32-f64"])
+def test_normal_tensor_overloads_dtypes_and_out_like_torch(call):
+    mine, theirs = assert_same_outcome(call)
+    if theirs is not None:
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+
+
+# ---------------------------------------------------------------- draws from inputs requiring grad
+@pytest.mark.parametrize("draw", [
+    lambda x, g: torch.bernoulli(x, generator=g),
+    lambda x, g: x.bernoulli(generator=g),
+    lambda x, g: torch.poisson(x, generator=g),
+], ids=["bernoulli", "Tensor.bernoulli", "poisson"])
+def test_draws_from_an_input_requiring_grad_give_torchs_zero_gradient(draw):
+    for gen in (eg(), tg()):
+        x = torch.full((3,), 0.5, requires_grad=True)
+        y = draw(x, gen)
+        assert y.requires_grad, type(gen)
+        (grad,) = torch.autograd.grad((y * 2).sum(), x)
+        assert torch.equal(grad, torch.zeros(3)), type(gen)
+        with torch.no_grad():
+            assert not draw(x, gen).requires_grad
+
+
+def test_bernoulli_with_float_p_from_an_input_requiring_grad_like_torch():
+    for gen in (eg(), tg()):
+        x = torch.full((3,), 0.5, requires_grad=True)
+        y = torch.bernoulli(x, 0.3, generator=gen)
+        assert y.requires_grad
+        with pytest.raises(RuntimeError, match="not implemented"):
+            y.sum().backward()
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: torch.bernoulli(torch.ones(5), torch.full((5,), 0.2), generator=g),
+    lambda g: torch.bernoulli(torch.ones(5, dtype=torch.int64), generator=g),
+    lambda g: torch.bernoulli(torch.ones(5, dtype=torch.bool), generator=g),
+    lambda g: torch.empty(5).bernoulli_(torch.ones(5, dtype=torch.bool), generator=g),
+    lambda g: torch.empty(5).bernoulli_(torch.ones(5, dtype=torch.int64), generator=g),
+    lambda g: torch.poisson(torch.ones(3, dtype=torch.int64), generator=g),
+    lambda g: torch.poisson(torch.ones(3, dtype=torch.complex64), generator=g),
+], ids=["tensor-p", "int-p", "bool-p", "bool-p_", "int-p_", "poisson-int", "poisson-complex"])
+def test_bernoulli_and_poisson_argument_types_like_torch(call):
+    assert_same_outcome(call)
+
+
+# ---------------------------------------------------------------- exception classes
+@pytest.mark.parametrize("call", [
+    lambda g: torch.empty(5, dtype=torch.complex64).log_normal_(generator=g),
+    lambda g: torch.empty(5).geometric_(1.0, generator=g),
+    lambda g: torch.empty(5).geometric_(0.0, generator=g),
+    lambda g: torch.empty(5, dtype=torch.int64).exponential_(generator=g),
+    lambda g: torch.empty(5, dtype=torch.int64).cauchy_(generator=g),
+    lambda g: torch.empty(5, dtype=torch.int64).log_normal_(generator=g),
+    lambda g: torch.randperm(5, dtype=torch.bool, generator=g),
+    lambda g: torch.randperm(5, dtype=torch.uint16, generator=g),
+    lambda g: torch.randperm(5, dtype=torch.uint32, generator=g),
+    lambda g: torch.randperm(5, dtype=torch.uint64, generator=g),
+    lambda g: torch.randperm(5, dtype=torch.complex64, generator=g),
+    lambda g: torch.rand(3, dtype=torch.float8_e4m3fn, generator=g),
+    lambda g: torch.randn(3, dtype=torch.float8_e5m2, generator=g),
+    lambda g: torch.empty(3, dtype=torch.float8_e4m3fn).uniform_(generator=g),
+    lambda g: torch.multinomial(torch.ones(3, dtype=torch.int64), 1, generator=g),
+    lambda g: torch.multinomial(torch.ones(4), 2, generator=g, out=torch.empty(2, dtype=torch.int32)),
+    lambda g: torch.rand_like(torch.ones(3), pin_memory=True, generator=g),
+    lambda g: torch.rand(3, layout=torch.sparse_coo, generator=g),
+    lambda g: torch.randperm(5, layout=torch.sparse_coo, generator=g),
+    lambda g: torch.ones(3).to_sparse().uniform_(generator=g),
+    lambda g: torch.rand_like(torch.ones(3).to_sparse(), generator=g),
+], ids=["log_normal_-complex", "geometric_-1", "geometric_-0", "exponential_-int", "cauchy_-int",
+        "log_normal_-int", "randperm-bool", "randperm-uint16", "randperm-uint32", "randperm-uint64",
+        "randperm-complex", "rand-float8", "randn-float8", "uniform_-float8", "multinomial-int",
+        "multinomial-out-int32", "rand_like-pin_memory", "rand-sparse", "randperm-sparse",
+        "uniform_-sparse", "rand_like-sparse"])
+def test_refusals_raise_torchs_exception_class(call):
+    assert_same_outcome(call)
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: torch.multinomial(torch.tensor([1.0, 0.0, 0.0]), 2, generator=g),
+    lambda g: torch.randperm(300, dtype=torch.bfloat16, generator=g),
+], ids=["multinomial-few-nonzero", "randperm-bfloat16"])
+def test_calls_torch_accepts_succeed_with_its_shape_and_dtype(call):
+    mine, theirs = assert_same_outcome(call)
+    assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+
+
+def test_multinomial_without_replacement_takes_the_non_zero_categories_first():
+    for _ in range(5):
+        got = torch.multinomial(torch.tensor([0.0, 1.0, 0.0, 2.0]), 3, generator=eg())
+        assert sorted(got[:2].tolist()) == [1, 3] and got[2] in (0, 2)
+
+
+# ---------------------------------------------------------------- wide float ranges
+@pytest.mark.parametrize("dtype,low,high", [
+    (torch.float32, 0, 2**30), (torch.float64, 0, 2**60), (torch.float16, 0, 65505),
+    (torch.float16, -65504, 0), (torch.float16, 0, 65506), (torch.float16, -65505, 0),
+    (torch.bfloat16, -(2**40), 2**40), (torch.float64, -(2**63), 2**63 - 1),
+])
+def test_random_float_ranges_past_the_exact_integers_like_torch(dtype, low, high):
+    for call in (lambda g: torch.empty(4000, dtype=dtype).random_(low, high, generator=g),
+                 lambda g: torch.randint(low, high, (4000,), dtype=dtype, generator=g)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mine, theirs = assert_same_outcome(call)
+        if theirs is not None:
+            assert any("out of bounds" in str(w.message) for w in caught)
+            assert mine.dtype == theirs.dtype
+            assert float(mine.min()) >= low and float(mine.max()) <= high
+            assert float(mine.max() - mine.min()) > (high - low) / 2  # spread over the range
+
+
+# ---------------------------------------------------------------- meta and fake tensors
+_ABSTRACT_CALLS = {
+    "rand": lambda g: torch.rand(3, generator=g),
+    "randn": lambda g: torch.randn(2, 3, generator=g),
+    "randint": lambda g: torch.randint(0, 5, (3,), generator=g),
+    "randperm": lambda g: torch.randperm(4, generator=g),
+    "normal-size": lambda g: torch.normal(0.0, 1.0, (3,), generator=g),
+    "normal_": lambda g: torch.empty(3).normal_(generator=g),
+    "uniform_-f16": lambda g: torch.empty(3, dtype=torch.float16).uniform_(-2, 2, generator=g),
+    "normal-tensors": lambda g: torch.normal(torch.zeros(3), torch.ones(3), generator=g),
+    "bernoulli": lambda g: torch.bernoulli(torch.full((3,), 0.5), generator=g),
+    "poisson": lambda g: torch.poisson(torch.ones(3), generator=g),
+    "multinomial": lambda g: torch.multinomial(torch.ones(2, 4), 2, generator=g),
+    "rand_like": lambda g: torch.rand_like(torch.empty(2, 2), generator=g),
+    "kaiming": lambda g: torch.nn.init.kaiming_uniform_(torch.empty(3, 3), generator=g),
+}
+
+
+def _meta(r):
+    return (tuple(r.shape), r.dtype, r.device.type, type(r).__name__)
+
+
+@pytest.mark.parametrize("name", sorted(_ABSTRACT_CALLS))
+def test_draws_under_the_meta_device_context_like_torch(name):
+    call = _ABSTRACT_CALLS[name]
+    got = []
+    for gen in (eg(), tg()):
+        with torch.device("meta"):
+            mine = _outcome(call, gen)
+        got.append(mine[0] if mine[0] != "ok" else _meta(mine[1]))
+    assert got[0] == got[1]
+    g = eg()
+    with torch.device("meta"):
+        status, res = _outcome(call, g)
+    if status == "ok" and res.is_meta:
+        assert g.counter == 0  # nothing drawn for a meta tensor
+
+
+def test_default_device_meta_like_torch():
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        got = [torch.rand(3, generator=gen).device.type for gen in (eg(), tg())]
+        plain = torch.randperm(3).device.type  # importing ember keeps torch's own calls on meta
+    finally:  # None, not "cpu": a cpu default would leave a device mode on for later tests
+        torch.set_default_device(None if before.type == "cpu" else before)
+    assert got == ["meta", "meta"] and plain == "meta"
+
+
+def test_compile_under_a_device_context_still_traces():
+    from ember.csprng import ops
+
+    def f(x, state):
+        noise, state = ops.sample(state, "normal_", x.shape, 0.0, 1.0)
+        return x + noise, state
+
+    state = ops.state_of(eg())
+    torch._dynamo.reset()
+    with torch.device("cpu"):
+        out, _ = torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(3), state)
+    assert out.shape == (3,)
+
+
+def test_explicit_meta_device_draws_nothing():
+    g = eg()
+    out = torch.rand(1 << 24, device="meta", generator=g)
+    assert out.is_meta and out.shape == (1 << 24,) and g.counter == 0
+    x = torch.empty(1 << 24, device="meta").normal_(generator=g)
+    assert x.is_meta and g.counter == 0
+
+
+@pytest.mark.parametrize("name", sorted(_ABSTRACT_CALLS))
+def test_draws_under_fake_tensor_mode_like_torch(name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    call = _ABSTRACT_CALLS[name]
+    got = []
+    for gen in (eg(), tg()):
+        with FakeTensorMode():
+            mine = _outcome(call, gen)
+        got.append(mine[0] if mine[0] != "ok" else _meta(mine[1]))
+    assert got[0] == got[1]
+
+
+# ---------------------------------------------------------------- low-severity argument rules
+def _grad_out(leaf: bool) -> torch.Tensor:
+    w = torch.ones(4, requires_grad=True)
+    return w if leaf else w * 2
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: torch.rand(generator=g),
+    lambda g: torch.randn(generator=g),
+    lambda g: torch.empty(3).uniform_("2", 3, generator=g),
+    lambda g: torch.empty(3).normal_("2", 3, generator=g),
+    lambda g: torch.empty(3, dtype=torch.int64).random_(0, 2**63, generator=g),
+    lambda g: torch.empty(3, dtype=torch.int64).random_(2**63, generator=g),
+    lambda g: torch.randint(0, 2**63, (3,), generator=g),
+    lambda g: torch.randint(0, 2**63, (3,), dtype=torch.uint64, generator=g),
+    lambda g: torch.rand(4, out=_grad_out(False), generator=g),
+    lambda g: torch.randn(4, out=_grad_out(False), generator=g),
+    lambda g: torch.rand(4, out=_grad_out(True), generator=g),
+], ids=["rand-no-size", "randn-no-size", "uniform_-str", "normal_-str", "random_-2**63",
+        "random_-to-2**63", "randint-2**63", "randint-uint64-2**63", "rand-out-nonleaf-grad",
+        "randn-out-nonleaf-grad", "rand-out-leaf-grad"])
+def test_low_severity_argument_rules_follow_torch(call):
+    assert_same_outcome(call)
+
+
+@pytest.mark.parametrize("n", [1.5, "2", True, None])
+def test_spawn_refuses_what_fold_in_refuses(n):
+    with pytest.raises(TypeError):
+        eg().spawn(n)
+    assert len(eg().spawn(2)) == 2
