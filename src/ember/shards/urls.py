@@ -31,6 +31,7 @@ from ember.shards.errors import NotFoundError, ShardError
 __all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end",
            "url_options_from", "register_opener", "sibling_url", "url_scheme", "file_beside"]
 
+MAX_TIMEOUT = 86400.0  # the longest socket timeout UrlOptions accepts, in seconds (a day)
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 
@@ -106,7 +107,8 @@ def expand_urls(urls: str | Path | Iterable) -> list[str]:
 class UrlOptions:
     """How shard URLs are opened (``ShardDataset(url_options=...)``, :func:`open_url`).
 
-    ``timeout``: socket timeout in seconds. ``retries``: consecutive failed attempts tolerated
+    ``timeout``: socket timeout in seconds, at most a day (:data:`MAX_TIMEOUT`); None waits
+    without limit. ``retries``: consecutive failed attempts tolerated
     per shard (a resumed read that makes progress resets the count); ``backoff``: seconds before
     the first retry, doubling up to 5 s. ``headers``: extra HTTP request headers (for example
     an ``Authorization``). ``allow_pipe``: enables ``pipe:`` URLs, which run shell commands.
@@ -116,7 +118,7 @@ class UrlOptions:
     cache in bytes.
     """
 
-    timeout: float = 60.0
+    timeout: float | None = 60.0
     retries: int = 5
     backoff: float = 0.2
     headers: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -126,17 +128,18 @@ class UrlOptions:
     cache_size: int | None = None
 
     def __post_init__(self) -> None:
-        from ember.shards.checks import integer, real
+        from ember.shards.checks import boolean, integer, real
 
         set_ = object.__setattr__  # frozen: the checked values replace the given ones
-        set_(self, "timeout", real(self.timeout, "timeout", above=0.0))
+        if self.timeout is not None:
+            set_(self, "timeout", real(self.timeout, "timeout", above=0.0, maximum=MAX_TIMEOUT))
         set_(self, "retries", integer(self.retries, "retries", minimum=0))
         set_(self, "backoff", real(self.backoff, "backoff", minimum=0.0))
         if not isinstance(self.headers, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()):
             raise TypeError(f"headers must map str to str, got {self.headers!r}")
         set_(self, "headers", dict(self.headers))
-        set_(self, "allow_pipe", bool(self.allow_pipe))
+        boolean(self.allow_pipe, "allow_pipe")
         if self.cache_dir is not None:
             set_(self, "cache_dir", os.fspath(self.cache_dir))
         if self.cache_size is not None:
@@ -500,7 +503,7 @@ _S3_CLIENTS: dict[tuple[int, int, str | None], object] = {}
 _S3_LOCK = threading.Lock()
 
 
-def _s3_client(endpoint: str | None, timeout: float):
+def _s3_client(endpoint: str | None, timeout: float | None):
     key = (os.getpid(), threading.get_ident(), endpoint)
     with _S3_LOCK:
         client = _S3_CLIENTS.get(key)
