@@ -3,6 +3,7 @@ objects that change while being read, and credentials errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -220,3 +221,69 @@ def test_tcp_urls_read_what_a_server_sends(shards):
     assert ei.value.url == url
     with pytest.raises(ShardError, match="tcp://HOST:PORT"):
         list(ShardDataset(["tcp://127.0.0.1/a.tar"]))
+
+
+@pytest.mark.parametrize("shift", [10240, 777, 1 << 30])
+def test_a_resumed_http_read_that_starts_elsewhere_is_an_error_naming_the_offset(
+        tmp_path, shift):
+    from test_remote import _http
+
+    from ember.shards import ShardError
+
+    old, _ = _two_versions(tmp_path)
+    fast = UrlOptions(timeout=5.0, retries=3, backoff=0.01)
+    cache = tmp_path / "cache"
+    # the first response is cut after a third of the body; the resumed one starts `shift` bytes
+    # before the offset asked (1 << 30: at byte 0), and its Content-Range says so
+    with _http({"/s.tar": old}, drop={"/s.tar": 1}, shift=shift) as (base, hits):
+        seen: list[Exception] = []
+        options = dataclasses.replace(fast, cache_dir=str(cache))
+        got = list(ShardDataset([base + "/s.tar"], on_error=seen.append, url_options=options))
+        assert len(got) < 20 and len({s["__key__"] for s in got}) == len(got)
+        assert all(s["bin"] == bytes([0]) * 2000 for s in got)
+        assert len(seen) == 1 and isinstance(seen[0], ShardError)
+        cut = len(old) // 3
+        assert seen[0].url == base + "/s.tar" and seen[0].offset == cut
+        assert f"bytes={cut}-" in str(seen[0]) and "Content-Range" in str(seen[0])
+        assert hits["/s.tar"] == 2  # not retried: the error is final
+    assert not cache.exists() or os.listdir(cache) == []
+    # the same server answering from the offset asked: the read goes on as before
+    with _http({"/s.tar": old}, drop={"/s.tar": 1}) as (base, hits):
+        assert len(list(ShardDataset([base + "/s.tar"], url_options=fast))) == 20
+        assert hits["/s.tar"] == 2
+
+
+def test_a_resumed_s3_read_that_starts_elsewhere_is_an_error_naming_the_offset(
+        s3, tmp_path, monkeypatch):
+    import boto3
+
+    from ember.shards import ShardError
+    from ember.shards import urls as urls_module
+
+    old, _ = _two_versions(tmp_path)
+    client = boto3.client("s3", endpoint_url=s3)
+    client.create_bucket(Bucket="data")
+    client.put_object(Bucket="data", Key="s.tar", Body=old)
+    make_client = urls_module._s3_client
+
+    class Shifted:  # a client whose ranged answers start 1000 bytes before the offset asked
+        def __init__(self, real):
+            self.real = real
+
+        def get_object(self, **kwargs):
+            if "Range" in kwargs:
+                start = int(kwargs["Range"][6:].rstrip("-"))
+                kwargs["Range"] = f"bytes={start - 1000}-"
+            return self.real.get_object(**kwargs)
+
+    monkeypatch.setattr(urls_module, "_s3_client", lambda *a: Shifted(make_client(*a)))
+    options = UrlOptions(s3_endpoint=s3, timeout=10.0, retries=2, backoff=0.01)
+    stream = open_url("s3://data/s.tar", options)
+    try:
+        assert stream.read(5000) == old[:5000]
+        stream._drop()  # the connection drops: the next read resumes at byte 5000
+        with pytest.raises(ShardError, match="Content-Range") as ei:
+            stream.read()
+        assert ei.value.url == "s3://data/s.tar" and ei.value.offset == 5000
+    finally:
+        stream.close()

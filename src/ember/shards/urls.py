@@ -391,10 +391,25 @@ def _changed(url: str, offset: int, how: str) -> ShardError:
                       "before belong to another version: read the shard again", url, offset)
 
 
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-\d+/(?:\d+|\*)\s*$", re.IGNORECASE)
+
+
+def _check_start(url: str, offset: int, content_range: str | None) -> None:
+    """Raise unless a partial response's ``Content-Range`` starts at ``offset``, the byte asked
+    for: bytes from anywhere else would be stitched in as if they followed."""
+    m = _CONTENT_RANGE.match(content_range or "")
+    if m is not None and int(m.group(1)) == offset:
+        return
+    answer = f"Content-Range: {content_range}" if content_range else "no Content-Range"
+    raise ShardError(f"asked for bytes={offset}-, the server answered with {answer}; its bytes "
+                     "would not continue the stream", url, offset)
+
+
 class _HttpOpener:
     """GET with ``Range: bytes=N-`` through http.client, following redirects. The first
     response's ETag (or Last-Modified) is what every resumed request asks for (``If-Range``)
-    and must match."""
+    and must match; a partial answer must start at the byte asked for (``Content-Range``), a
+    whole one (200) is read past the bytes already read."""
 
     def __init__(self, url: str, options: UrlOptions):
         self.url = url
@@ -457,6 +472,12 @@ class _HttpOpener:
             except ShardError:
                 conn.close()
                 raise
+            if resp.status == 206:
+                try:
+                    _check_start(self.url, offset, resp.getheader("Content-Range"))
+                except ShardError:
+                    conn.close()
+                    raise
             length = resp.getheader("Content-Length")
             body = _HttpBody(conn, resp)
             if offset and resp.status == 200:  # server ignored the range: skip what we have
@@ -580,6 +601,12 @@ class _S3Opener:
         elif self.etag and resp.get("ETag") and resp["ETag"] != self.etag:
             resp["Body"].close()
             raise _changed(self.url, offset, f"ETag {self.etag}, now {resp['ETag']}")
+        else:
+            try:
+                _check_start(self.url, offset, resp.get("ContentRange"))
+            except ShardError:
+                resp["Body"].close()
+                raise
         length = resp.get("ContentLength")
         return resp["Body"], (offset + length) if length is not None else None
 
