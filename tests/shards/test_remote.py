@@ -252,6 +252,50 @@ def test_truncated_gzip_shard(tmp_path):
     assert ei.value.url == str(path)
 
 
+@pytest.mark.parametrize("cut", [1, 4, 8, 11])
+def test_a_gzip_shard_cut_in_its_trailer_is_truncated_and_never_cached(tmp_path, cut):
+    from ember.shards import TruncatedShardError
+    from ember.shards.index import sample_count
+
+    path = tmp_path / "t.tar.gz"
+    with TarWriter(str(path)) as w:
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "bin": bytes([i]) * 3000})
+    data = _read(path)
+    path.write_bytes(data[:-cut])  # the tar's end-of-archive blocks are all still there
+    seen: list[Exception] = []
+    got = [s["__key__"] for s in ShardDataset(str(path), on_error=seen.append)]
+    assert got == [f"k{i}" for i in range(6)]
+    assert len(seen) == 1 and isinstance(seen[0], TruncatedShardError)
+    assert seen[0].url == str(path) and "gzip" in str(seen[0])
+    with pytest.raises(TruncatedShardError):
+        sample_count(str(path))
+    cache = tmp_path / "cache"
+    with _http({"/t.tar.gz": data[:-cut]}) as (base, _):
+        options = UrlOptions(timeout=5.0, retries=1, backoff=0.01, cache_dir=str(cache))
+        ds = ShardDataset(base + "/t.tar.gz", on_error="skip", url_options=options)
+        assert len(list(ds)) == 6 and ds.error_count == 1
+    assert not cache.exists() or os.listdir(cache) == []
+    # whole, padded with zero bytes, or two gzip members one after the other: no error
+    half = len(data) // 2
+    for whole in (data, data + bytes(100), data[:10] + data[10:half] + data[half:]):
+        path.write_bytes(whole)
+        assert [s["__key__"] for s in ShardDataset(str(path))] == got
+
+
+def test_a_gzip_shard_with_a_wrong_crc_is_an_error(tmp_path):
+    path = tmp_path / "t.tar.gz"
+    with TarWriter(str(path)) as w:
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "bin": os.urandom(300_000)})
+    data = bytearray(_read(path))
+    data[-8] ^= 0xFF  # the CRC of the uncompressed data
+    path.write_bytes(bytes(data))
+    seen: list[Exception] = []
+    list(ShardDataset(str(path), on_error=seen.append))  # the samples read before the error
+    assert len(seen) == 1 and isinstance(seen[0], ShardError) and seen[0].url == str(path)
+
+
 @pytest.fixture
 def damaged(make_shards, tmp_path):
     pattern, keys = make_shards(4, 10, payload=600)

@@ -48,6 +48,7 @@ def _spans(url: str, options: UrlOptions | None) -> Iterator[tuple[str, int, int
                 end = e
             if key is not None:
                 yield key, start, end
+            src.finish()
         finally:
             src.close()
         parsed_to_end(stream)
