@@ -287,3 +287,35 @@ def test_a_resumed_s3_read_that_starts_elsewhere_is_an_error_naming_the_offset(
         assert ei.value.url == "s3://data/s.tar" and ei.value.offset == 5000
     finally:
         stream.close()
+
+
+def test_a_file_beside_remote_shards_is_looked_up_once_and_never_names_a_shard(
+        shards, monkeypatch):
+    import socket
+
+    from test_remote import _files, _http
+
+    from ember.shards import urls as urls_module
+    from ember.shards.urls import file_beside
+
+    pattern, _ = shards
+    sleeps: list[float] = []
+    monkeypatch.setattr(urls_module.time, "sleep", sleeps.append)
+    options = UrlOptions(timeout=5.0, retries=5, backoff=1.0)
+    files = {**_files(pattern), "/classes.json": b'{"classes": ["a", "b"]}'}
+    with _http(files, drop={"/classes.json": -1}) as (base, hits):  # every answer cut short
+        shard = base + "/s-000.tar"
+        with pytest.warns(UserWarning, match=rf"cannot read {base}/classes.json\b") as record:
+            assert file_beside(shard, "classes.json", options) is None
+        assert not any("shard" in str(w.message) for w in record)
+        assert hits["/classes.json"] == 1 and sleeps == []  # one attempt, no backoff
+        assert file_beside(shard, "missing.json", options) is None  # 404: no file, no warning
+    with _http(files) as (base, hits):
+        assert file_beside(base + "/s-000.tar", "classes.json") == files["/classes.json"]
+    # nothing listens there: one attempt, then None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.warns(UserWarning, match="classes.json"):
+        assert file_beside(f"http://127.0.0.1:{port}/s.tar", "classes.json", options) is None
+    assert sleeps == []

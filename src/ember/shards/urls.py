@@ -275,7 +275,9 @@ def _open_pipe(url: str, options: UrlOptions) -> BinaryIO:
 def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes | None:
     """The bytes of the file ``name`` in the folder of the shard ``url`` (a local path, or a URL
     whose scheme has files beside its shards: http(s), s3), or None where there is none (or
-    can be none). Read whole, never cached."""
+    can be none). Read whole, never cached. A remote file is an optional one: asked for once,
+    without retries, and one that cannot be fetched (an unreachable server, a dropped
+    connection) is None with a warning naming it, so the shards' own reads report the problem."""
     path = local_path(url)
     if path is not None:
         try:
@@ -286,13 +288,17 @@ def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes
             raise ShardError(f"cannot read {name} beside it: {exc}", url) from exc
     if sibling_url(url, "") is None or "/" not in url:
         return None
-    options = dataclasses.replace(options or UrlOptions(), cache_dir=None, cache_size=None)
+    options = dataclasses.replace(options or UrlOptions(), retries=0, cache_dir=None,
+                                  cache_size=None)
+    where = url.rsplit("/", 1)[0] + "/" + name
     try:
-        stream = open_url(url.rsplit("/", 1)[0] + "/" + name, options)
+        with open_url(where, options) as stream:
+            return stream.read()
     except NotFoundError:
         return None
-    with stream:
-        return stream.read()
+    except ShardError as exc:
+        warnings.warn(f"cannot read {where} ({exc.message}); going on without it", stacklevel=2)
+        return None
 
 
 def parsed_to_end(stream: BinaryIO) -> None:
@@ -345,7 +351,8 @@ class _RetryingStream(io.RawIOBase):
         self._failures += 1
         self._drop()
         if self._failures > self._options.retries:
-            raise ShardError(f"giving up after {self._failures} failed attempts: {exc}",
+            raise ShardError(f"giving up after {self._failures} failed attempt"
+                             f"{'s' if self._failures != 1 else ''}: {exc}",
                              self.url, self._pos) from exc
         time.sleep(min(self._options.backoff * 2 ** (self._failures - 1), 5.0))
 
