@@ -319,3 +319,34 @@ def test_a_file_beside_remote_shards_is_looked_up_once_and_never_names_a_shard(
     with pytest.warns(UserWarning, match="classes.json"):
         assert file_beside(f"http://127.0.0.1:{port}/s.tar", "classes.json", options) is None
     assert sleeps == []
+
+
+def _open_after_colon(url: str, options: UrlOptions):
+    """An opener at module level: pickle carries it to a worker by reference."""
+    return open(url.split(":", 1)[1], "rb")
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_a_registered_scheme_reaches_workers_started_with_spawn(shards, monkeypatch):
+    from ember.shards import ShardLoader, register_opener
+    from ember.shards import urls as urls_module
+
+    # registered in this process only, as under `if __name__ == "__main__":`: a spawned worker
+    # imports ember afresh and knows the built-in schemes alone
+    monkeypatch.setattr(urls_module, "_SCHEMES", dict(urls_module._SCHEMES))
+    pattern, keys = shards
+    register_opener("spawn-test", _open_after_colon)
+    urls = [f"spawn-test:{p}" for p in expand_urls(pattern)]
+    loader = ShardLoader(ShardDataset(urls, nodesplitter=None), num_workers=2,
+                         multiprocessing_context="spawn")
+    assert sorted(s["__key__"] for s in loader) == sorted(keys)
+    # an opener that pickle cannot carry: a TypeError naming the scheme, before any worker
+    register_opener("spawn-test", lambda url, options: _open_after_colon(url, options))
+    loader = ShardLoader(ShardDataset(urls, nodesplitter=None), num_workers=2,
+                         multiprocessing_context="spawn")
+    with pytest.raises(TypeError, match=r"'spawn-test'.*module level"):
+        next(iter(loader))
+    # forked workers inherit it as it is
+    loader = ShardLoader(ShardDataset(urls, nodesplitter=None), num_workers=2,
+                         multiprocessing_context="fork")
+    assert sorted(s["__key__"] for s in loader) == sorted(keys)

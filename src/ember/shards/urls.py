@@ -29,7 +29,8 @@ from typing import Any, BinaryIO, cast
 from ember.shards.errors import NotFoundError, ShardError
 
 __all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end",
-           "url_options_from", "register_opener", "sibling_url", "url_scheme", "file_beside"]
+           "url_options_from", "register_opener", "sibling_url", "url_scheme", "file_beside",
+           "Openers"]
 
 MAX_TIMEOUT = 86400.0  # the longest socket timeout UrlOptions accepts, in seconds (a day)
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
@@ -229,6 +230,52 @@ def _scheme(url: str) -> _Scheme:
         raise ShardError(f"unsupported URL scheme {url_scheme(url)!r} (use a local path or one "
                          f"of {known})", url)
     return found
+
+
+class Openers:
+    """The openers that the URLs ``urls`` need beyond ember's built-in ones (schemes registered
+    with :func:`register_opener`, or built-in schemes registered again).
+
+    It looks them up when pickled and carries them (functions by reference, as pickle does);
+    unpickling registers them again. A dataset holds one, so a process that unpickles the
+    dataset (a DataLoader worker started with spawn or forkserver, a Ray worker), where a
+    registration made under ``if __name__ == "__main__":`` never ran, opens those URLs as the
+    process that pickled it does.
+    """
+
+    def __init__(self, urls: Iterable[str]):
+        self.schemes = tuple(sorted({url_scheme(u) for u in urls}))
+
+    def _registered(self) -> dict[str, _Scheme]:
+        return {s: _SCHEMES[s] for s in self.schemes
+                if s in _SCHEMES and _SCHEMES[s] is not _BUILT_IN.get(s)}
+
+    def check_picklable(self) -> None:
+        """Raise a TypeError naming the scheme whose opener pickle cannot carry to a worker
+        process started with spawn or forkserver (a lambda, a nested function)."""
+        import pickle
+
+        for scheme, registered in self._registered().items():
+            try:
+                pickle.dumps(registered.opener)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise TypeError(
+                    f"the opener registered for the URL scheme {scheme!r} "
+                    f"({registered.opener!r}) cannot be pickled ({exc}), so worker processes "
+                    "started with spawn or forkserver cannot open its URLs: register a function "
+                    "defined at module level (or an instance of a class defined there)"
+                ) from None
+
+    def __reduce__(self):
+        return (_registering, (self.schemes, self._registered()))
+
+
+def _registering(schemes: tuple[str, ...], registered: dict[str, _Scheme]) -> Openers:
+    """Unpickles an :class:`Openers`: registers what it carries."""
+    _SCHEMES.update(registered)
+    out = Openers.__new__(Openers)
+    out.schemes = schemes
+    return out
 
 
 def sibling_url(url: str, suffix: str) -> str | None:
@@ -729,3 +776,4 @@ register_opener("https", _open_http, cacheable=True)
 register_opener("s3", _open_s3, cacheable=True)
 register_opener("pipe", _open_pipe, siblings=False)
 register_opener("tcp", _open_tcp, siblings=False)
+_BUILT_IN = dict(_SCHEMES)  # what a fresh process has: Openers carries only what differs
