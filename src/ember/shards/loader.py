@@ -181,11 +181,14 @@ class ShardLoader:
         self._errors = list(resume["errors"])  # error_count continues from the state
         self._kept = None  # persistent workers hold the old position: start new ones
 
-    def _start_method(self) -> str | None:
-        """How the workers start (``multiprocessing_context=``), or None: the default."""
+    def _start_method(self) -> str:
+        """How the workers start: ``multiprocessing_context=``, else the default."""
         context = self.kwargs.get("multiprocessing_context")
         get = getattr(context, "get_start_method", None)
-        return get() if get is not None else context
+        method = get() if get is not None else context
+        # (the first method listed is the platform's default)
+        return method or multiprocessing.get_start_method(allow_none=True) \
+            or multiprocessing.get_all_start_methods()[0]
 
     def _arena(self) -> TransferArena | None:
         """Shared memory for this epoch's groups, where workers are forked and it is wanted."""
@@ -256,9 +259,7 @@ class ShardLoader:
             return
         if self.dataset.equalize is not None:
             self.dataset.ensure_shard_sizes()  # once, here, not in every worker
-        method = self._start_method() or multiprocessing.get_start_method(allow_none=True) \
-            or multiprocessing.get_all_start_methods()[0]  # (the first one is the default)
-        if self.num_workers and method != "fork":
+        if self.num_workers and self._start_method() != "fork":
             self.dataset.openers.check_picklable()  # the workers unpickle the dataset
         resume = None
         if self._resume is not None:
