@@ -116,3 +116,30 @@ def test_url_options_replace_the_url_keywords_which_still_work_deprecated(tmp_pa
         UrlOptions(backoff=-1)
     # hashable, as a frozen dataclass is, headers and all
     assert hash(UrlOptions(headers={"a": "1"})) == hash(UrlOptions(headers={"a": "1"}))
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None])
+def test_allow_pipe_takes_only_a_bool(value, tmp_path):
+    from ember.shards import UrlOptions
+
+    with pytest.raises(TypeError, match=r"\ballow_pipe\b"):
+        UrlOptions(allow_pipe=value)
+    assert UrlOptions(allow_pipe=True).allow_pipe is True
+    assert UrlOptions(allow_pipe=False).allow_pipe is False
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e12, 86400.5])
+def test_a_timeout_no_socket_can_wait_is_refused(value):
+    from ember.shards import UrlOptions
+
+    with pytest.raises(ValueError, match=r"\btimeout\b"):
+        UrlOptions(timeout=value)
+
+
+def test_timeout_none_waits_without_limit(make_shards):
+    from ember.shards import UrlOptions
+
+    pattern, keys = make_shards(1, 3)
+    options = UrlOptions(timeout=None)
+    assert options.timeout is None and UrlOptions(timeout=86400).timeout == 86400.0
+    assert [s["__key__"] for s in ShardDataset(pattern, url_options=options)] == keys

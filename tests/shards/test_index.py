@@ -74,3 +74,47 @@ def test_index_mismatch_checks_keys_at_their_spans(shards):
 def test_index_of_a_remote_shard_is_refused_before_reading_it():
     with pytest.raises(ValueError, match="local shards only"):
         write_index("http://127.0.0.1:9/a.tar")  # nothing listens there: a read would fail
+
+
+@pytest.mark.parametrize("text", ["not json", "[]", '{"format": "ember-shard-index"}',
+                                  '{"format": "other", "samples": []}',
+                                  '{"format": "ember-shard-index", "samples": [["k", "0", 1]]}'])
+def test_an_unreadable_index_is_ignored_with_a_warning_naming_it(shards, text):
+    from test_cli_guards import ember
+
+    from ember.shards import ShardDataset
+
+    pattern, keys = shards
+    url = expand_urls(pattern)[0]
+    with open(url + ".idx", "w") as f:
+        f.write(text)
+    with pytest.warns(UserWarning, match=f"ignoring unreadable index {url}.idx"):
+        assert read_index(url) is None
+    with pytest.warns(UserWarning, match=f"{url}.idx"):
+        assert sample_count(url) == 10  # counted by a scan instead
+    with pytest.warns(UserWarning, match=f"{url}.idx"):
+        r = ember("ls", "-q", url)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().split()[0] == "10"
+    with pytest.warns(UserWarning, match=f"{url}.idx"):
+        ds = ShardDataset([url] * 2, equalize="drop", rank=0, world_size=2)
+        assert len(list(ds)) == 10
+
+
+def test_an_unreadable_remote_index_is_ignored_with_a_warning_naming_it(shards):
+    from test_remote import _files, _http
+
+    from ember.shards import ShardDataset, UrlOptions
+
+    pattern, keys = shards
+    files = _files(pattern)
+    # a server answering 200 with a page of HTML where the index would be
+    files.update({name + ".idx": b"<html>not found</html>" for name in list(files)})
+    with _http(files) as (base, hits):
+        urls = [base + name for name in sorted(files) if name.endswith(".tar")]
+        options = UrlOptions(timeout=5.0, retries=1, backoff=0.01)
+        with pytest.warns(UserWarning, match=f"ignoring unreadable index {urls[0]}.idx"):
+            assert sample_count(urls[0], options) == 10
+        with pytest.warns(UserWarning, match="unreadable index"):
+            ds = ShardDataset(urls, equalize="drop", rank=0, world_size=2, url_options=options)
+            assert len(list(ds)) == 30

@@ -450,3 +450,19 @@ def test_a_worker_that_dies_is_a_shard_error_through_on_error(cluster, shards):
     assert len(got) == len(set(got)) and set(others) <= set(got)
     assert set(got) - set(others) <= {"k0008", "k0009"}  # handed out before the crash
     assert loader.error_count == 1
+
+
+def _open_after_colon(url, options):
+    return open(url.split(":", 1)[1], "rb")
+
+
+def test_a_scheme_registered_in_the_driver_reaches_the_workers(cluster, shards, monkeypatch):
+    from ember.shards import register_opener
+    from ember.shards import urls as urls_module
+
+    # registered in this process only: Ray's worker processes know the built-in schemes alone
+    monkeypatch.setattr(urls_module, "_SCHEMES", dict(urls_module._SCHEMES))
+    register_opener("ray-test", _open_after_colon)
+    _, urls, keys = shards
+    ds = ShardDataset([f"ray-test:{u}" for u in urls], seed=7).to_tuple("__key__ cls")
+    assert sorted(_keys(RayShardLoader(ds))) == keys

@@ -24,12 +24,15 @@ def _read(path) -> bytes:
 
 
 @contextlib.contextmanager
-def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_range: bool = True):
+def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_range: bool = True,
+          shift: int = 0):
     """Serve ``files`` on 127.0.0.1 at an ephemeral port; ``drop[path]`` responses for that path
     send only a third of the body and close the connection (-1: every response, sending no body
     at all, so no attempt makes progress). A list of bytes as a file serves its n-th entry to
     the n-th request (the last one from then on). Every response has an ETag (a hash of the
-    body's file), and a Range is honoured only where an If-Range sent with it matches."""
+    body's file), and a Range is honoured only where an If-Range sent with it matches. A
+    ranged response starts ``shift`` bytes before the offset asked (at byte 0 at the earliest),
+    and its Content-Range says where it starts."""
     drop = dict(drop or {})
     hits: dict[str, int] = {}
     lock = threading.Lock()
@@ -56,8 +59,12 @@ def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_ra
             if_range = self.headers.get("If-Range")
             if rng and honour_range and if_range in (None, etag):
                 start = int(rng.split("=")[1].split("-")[0])
+            ranged = start > 0
+            start = max(0, start - shift) if ranged else 0
             body = data[start:]
-            self.send_response(206 if start else 200)
+            self.send_response(206 if ranged else 200)
+            if ranged:
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("ETag", etag)
             self.end_headers()
@@ -243,6 +250,50 @@ def test_truncated_gzip_shard(tmp_path):
     with pytest.raises(ShardError) as ei:
         list(iter_shard(str(path)))
     assert ei.value.url == str(path)
+
+
+@pytest.mark.parametrize("cut", [1, 4, 8, 11])
+def test_a_gzip_shard_cut_in_its_trailer_is_truncated_and_never_cached(tmp_path, cut):
+    from ember.shards import TruncatedShardError
+    from ember.shards.index import sample_count
+
+    path = tmp_path / "t.tar.gz"
+    with TarWriter(str(path)) as w:
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "bin": bytes([i]) * 3000})
+    data = _read(path)
+    path.write_bytes(data[:-cut])  # the tar's end-of-archive blocks are all still there
+    seen: list[Exception] = []
+    got = [s["__key__"] for s in ShardDataset(str(path), on_error=seen.append)]
+    assert got == [f"k{i}" for i in range(6)]
+    assert len(seen) == 1 and isinstance(seen[0], TruncatedShardError)
+    assert seen[0].url == str(path) and "gzip" in str(seen[0])
+    with pytest.raises(TruncatedShardError):
+        sample_count(str(path))
+    cache = tmp_path / "cache"
+    with _http({"/t.tar.gz": data[:-cut]}) as (base, _):
+        options = UrlOptions(timeout=5.0, retries=1, backoff=0.01, cache_dir=str(cache))
+        ds = ShardDataset(base + "/t.tar.gz", on_error="skip", url_options=options)
+        assert len(list(ds)) == 6 and ds.error_count == 1
+    assert not cache.exists() or os.listdir(cache) == []
+    # whole, padded with zero bytes, or two gzip members one after the other: no error
+    half = len(data) // 2
+    for whole in (data, data + bytes(100), data[:10] + data[10:half] + data[half:]):
+        path.write_bytes(whole)
+        assert [s["__key__"] for s in ShardDataset(str(path))] == got
+
+
+def test_a_gzip_shard_with_a_wrong_crc_is_an_error(tmp_path):
+    path = tmp_path / "t.tar.gz"
+    with TarWriter(str(path)) as w:
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "bin": os.urandom(300_000)})
+    data = bytearray(_read(path))
+    data[-8] ^= 0xFF  # the CRC of the uncompressed data
+    path.write_bytes(bytes(data))
+    seen: list[Exception] = []
+    list(ShardDataset(str(path), on_error=seen.append))  # the samples read before the error
+    assert len(seen) == 1 and isinstance(seen[0], ShardError) and seen[0].url == str(path)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ objects that change while being read, and credentials errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -220,3 +221,132 @@ def test_tcp_urls_read_what_a_server_sends(shards):
     assert ei.value.url == url
     with pytest.raises(ShardError, match="tcp://HOST:PORT"):
         list(ShardDataset(["tcp://127.0.0.1/a.tar"]))
+
+
+@pytest.mark.parametrize("shift", [10240, 777, 1 << 30])
+def test_a_resumed_http_read_that_starts_elsewhere_is_an_error_naming_the_offset(
+        tmp_path, shift):
+    from test_remote import _http
+
+    from ember.shards import ShardError
+
+    old, _ = _two_versions(tmp_path)
+    fast = UrlOptions(timeout=5.0, retries=3, backoff=0.01)
+    cache = tmp_path / "cache"
+    # the first response is cut after a third of the body; the resumed one starts `shift` bytes
+    # before the offset asked (1 << 30: at byte 0), and its Content-Range says so
+    with _http({"/s.tar": old}, drop={"/s.tar": 1}, shift=shift) as (base, hits):
+        seen: list[Exception] = []
+        options = dataclasses.replace(fast, cache_dir=str(cache))
+        got = list(ShardDataset([base + "/s.tar"], on_error=seen.append, url_options=options))
+        assert len(got) < 20 and len({s["__key__"] for s in got}) == len(got)
+        assert all(s["bin"] == bytes([0]) * 2000 for s in got)
+        assert len(seen) == 1 and isinstance(seen[0], ShardError)
+        cut = len(old) // 3
+        assert seen[0].url == base + "/s.tar" and seen[0].offset == cut
+        assert f"bytes={cut}-" in str(seen[0]) and "Content-Range" in str(seen[0])
+        assert hits["/s.tar"] == 2  # not retried: the error is final
+    assert not cache.exists() or os.listdir(cache) == []
+    # the same server answering from the offset asked: the read goes on as before
+    with _http({"/s.tar": old}, drop={"/s.tar": 1}) as (base, hits):
+        assert len(list(ShardDataset([base + "/s.tar"], url_options=fast))) == 20
+        assert hits["/s.tar"] == 2
+
+
+def test_a_resumed_s3_read_that_starts_elsewhere_is_an_error_naming_the_offset(
+        s3, tmp_path, monkeypatch):
+    import boto3
+
+    from ember.shards import ShardError
+    from ember.shards import urls as urls_module
+
+    old, _ = _two_versions(tmp_path)
+    client = boto3.client("s3", endpoint_url=s3)
+    client.create_bucket(Bucket="data")
+    client.put_object(Bucket="data", Key="s.tar", Body=old)
+    make_client = urls_module._s3_client
+
+    class Shifted:  # a client whose ranged answers start 1000 bytes before the offset asked
+        def __init__(self, real):
+            self.real = real
+
+        def get_object(self, **kwargs):
+            if "Range" in kwargs:
+                start = int(kwargs["Range"][6:].rstrip("-"))
+                kwargs["Range"] = f"bytes={start - 1000}-"
+            return self.real.get_object(**kwargs)
+
+    monkeypatch.setattr(urls_module, "_s3_client", lambda *a: Shifted(make_client(*a)))
+    options = UrlOptions(s3_endpoint=s3, timeout=10.0, retries=2, backoff=0.01)
+    stream = open_url("s3://data/s.tar", options)
+    try:
+        assert stream.read(5000) == old[:5000]
+        stream._drop()  # the connection drops: the next read resumes at byte 5000
+        with pytest.raises(ShardError, match="Content-Range") as ei:
+            stream.read()
+        assert ei.value.url == "s3://data/s.tar" and ei.value.offset == 5000
+    finally:
+        stream.close()
+
+
+def test_a_file_beside_remote_shards_is_looked_up_once_and_never_names_a_shard(
+        shards, monkeypatch):
+    import socket
+
+    from test_remote import _files, _http
+
+    from ember.shards import urls as urls_module
+    from ember.shards.urls import file_beside
+
+    pattern, _ = shards
+    sleeps: list[float] = []
+    monkeypatch.setattr(urls_module.time, "sleep", sleeps.append)
+    options = UrlOptions(timeout=5.0, retries=5, backoff=1.0)
+    files = {**_files(pattern), "/classes.json": b'{"classes": ["a", "b"]}'}
+    with _http(files, drop={"/classes.json": -1}) as (base, hits):  # every answer cut short
+        shard = base + "/s-000.tar"
+        with pytest.warns(UserWarning, match=rf"cannot read {base}/classes.json\b") as record:
+            assert file_beside(shard, "classes.json", options) is None
+        assert not any("shard" in str(w.message) for w in record)
+        assert hits["/classes.json"] == 1 and sleeps == []  # one attempt, no backoff
+        assert file_beside(shard, "missing.json", options) is None  # 404: no file, no warning
+    with _http(files) as (base, hits):
+        assert file_beside(base + "/s-000.tar", "classes.json") == files["/classes.json"]
+    # nothing listens there: one attempt, then None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.warns(UserWarning, match="classes.json"):
+        assert file_beside(f"http://127.0.0.1:{port}/s.tar", "classes.json", options) is None
+    assert sleeps == []
+
+
+def _open_after_colon(url: str, options: UrlOptions):
+    """An opener at module level: pickle carries it to a worker by reference."""
+    return open(url.split(":", 1)[1], "rb")
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_a_registered_scheme_reaches_workers_started_with_spawn(shards, monkeypatch):
+    from ember.shards import ShardLoader, register_opener
+    from ember.shards import urls as urls_module
+
+    # registered in this process only, as under `if __name__ == "__main__":`: a spawned worker
+    # imports ember afresh and knows the built-in schemes alone
+    monkeypatch.setattr(urls_module, "_SCHEMES", dict(urls_module._SCHEMES))
+    pattern, keys = shards
+    register_opener("spawn-test", _open_after_colon)
+    urls = [f"spawn-test:{p}" for p in expand_urls(pattern)]
+    loader = ShardLoader(ShardDataset(urls, nodesplitter=None), num_workers=2,
+                         multiprocessing_context="spawn")
+    assert sorted(s["__key__"] for s in loader) == sorted(keys)
+    # an opener that pickle cannot carry: a TypeError naming the scheme, before any worker
+    register_opener("spawn-test", lambda url, options: _open_after_colon(url, options))
+    loader = ShardLoader(ShardDataset(urls, nodesplitter=None), num_workers=2,
+                         multiprocessing_context="spawn")
+    with pytest.raises(TypeError, match=r"'spawn-test'.*module level"):
+        next(iter(loader))
+    # forked workers inherit it as it is
+    loader = ShardLoader(ShardDataset(urls, nodesplitter=None), num_workers=2,
+                         multiprocessing_context="fork")
+    assert sorted(s["__key__"] for s in loader) == sorted(keys)

@@ -8,7 +8,14 @@ import numbers
 import operator
 from typing import Any
 
-__all__ = ["integer", "real"]
+__all__ = ["boolean", "integer", "real"]
+
+
+def boolean(value: Any, name: str) -> bool:
+    """``value`` if it is a bool (not a string, number or None, whose truth says nothing)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
 
 
 def integer(value: Any, name: str, *, minimum: int | None = None) -> int:

@@ -48,7 +48,7 @@ from ember.shards.resume import (  # noqa: F401 (STATE_VERSION: re-exported)
     _SkippingReader,
     check_state,
 )
-from ember.shards.urls import UrlOptions, as_list, local_path, open_url, url_options_from
+from ember.shards.urls import Openers, UrlOptions, as_list, local_path, open_url, url_options_from
 
 __all__ = ["ShardDataset", "ShardLoader", "iter_shard", "rank_and_world"]
 
@@ -122,6 +122,8 @@ class ShardDataset(IterableDataset):
         self.equalize = equalize
         self.shard_sizes = _checked_sizes(shard_sizes, len(self.urls))
         self.options = url_options_from(url_options, deprecated)
+        # registered openers of these URLs' schemes travel with the pickled dataset
+        self.openers = Openers(self.urls)
         self.stages: list[stages.Stage] = []
         self.length: int | None = None
         self.epoch_length: int | None = None

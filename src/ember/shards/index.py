@@ -9,7 +9,9 @@ shard's size and, per sample, its key and the byte span [start, end) of its memb
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -48,6 +50,7 @@ def _spans(url: str, options: UrlOptions | None) -> Iterator[tuple[str, int, int
                 end = e
             if key is not None:
                 yield key, start, end
+            src.finish()
         finally:
             src.close()
         parsed_to_end(stream)
@@ -89,37 +92,77 @@ def write_index(url: str, options: UrlOptions | None = None) -> Path:
 def read_index(url: str, options: UrlOptions | None = None) -> dict | None:
     """The index of a shard if one exists, else None.
 
-    The index of a local shard must match the shard's size; a stale one is ignored with a warning.
+    The index of a local shard must match the shard's size; a stale one is ignored with a
+    warning, and so is one that is not an ember index (garbage, a server's HTML page), naming
+    the file: the shard is then counted by a header scan.
     """
+    path = local_path(url)
     try:
-        path = local_path(url)
         if path is not None:
-            p = index_path(url)
-            if not p.exists():
+            where = str(index_path(url))
+            if not os.path.exists(where):
                 return None
-            index = json.loads(p.read_text())
+            text = _read_local(where)
             try:
-                size = path.stat().st_size
+                size: int | None = path.stat().st_size
             except OSError:
                 return None  # the shard itself is missing: reading it reports that
-            if index.get("size") not in (None, size):
-                warnings.warn(f"ignoring stale index {p}: the shard is {size} bytes, the index "
-                              f"was made for {index.get('size')} bytes")
-                return None
         else:
-            where = sibling_url(url, INDEX_SUFFIX)
-            if where is None:
+            found = sibling_url(url, INDEX_SUFFIX)
+            if found is None:
                 return None  # no file lies beside a command's output
-            stream = open_url(where, options)
-            try:
-                index = json.loads(stream.read())
-            finally:
-                stream.close()
+            where, size = found, None
+            text = _read_remote(where, options)
     except ShardError:
         return None
-    if index.get("format") != _FORMAT:
-        raise ShardError("not an ember shard index", url + INDEX_SUFFIX)
+    index, problem = _parse_index(text)
+    if index is None:
+        warnings.warn(f"ignoring unreadable index {where}: {problem}; counting by a header scan")
+        return None
+    if size is not None and index.get("size") not in (None, size):
+        warnings.warn(f"ignoring stale index {where}: the shard is {size} bytes, the index "
+                      f"was made for {index.get('size')} bytes")
+        return None
     return index
+
+
+def _read_local(where: str) -> bytes:
+    try:
+        with open(where, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        warnings.warn(f"ignoring unreadable index {where}: {exc}; counting by a header scan")
+        raise ShardError(f"cannot read its index: {exc}", where) from None
+
+
+def _read_remote(where: str, options: UrlOptions | None) -> bytes:
+    """An optional file: one attempt, never cached (a failure means a header scan)."""
+    options = dataclasses.replace(options or UrlOptions(), retries=0, cache_dir=None,
+                                  cache_size=None)
+    stream = open_url(where, options)
+    try:
+        return stream.read()
+    finally:
+        stream.close()
+
+
+def _is_span(entry: object) -> bool:
+    return (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+            and all(type(x) is int for x in entry[1:]))
+
+
+def _parse_index(text: bytes) -> tuple[dict | None, str]:
+    """The index in ``text``, or None and why it is not one."""
+    try:
+        index = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, f"not JSON ({exc})"
+    if not isinstance(index, dict) or index.get("format") != _FORMAT:
+        return None, "not an ember shard index"
+    samples = index.get("samples")
+    if not isinstance(samples, list) or not all(_is_span(e) for e in samples):
+        return None, "its samples are not a list of [key, start, end]"
+    return index, ""
 
 
 def index_mismatch(url: str, index: dict, positions: Iterable[int]) -> str | None:

@@ -7,6 +7,7 @@ their large bytes values through shared memory.
 from __future__ import annotations
 
 import copy
+import multiprocessing
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -180,15 +181,21 @@ class ShardLoader:
         self._errors = list(resume["errors"])  # error_count continues from the state
         self._kept = None  # persistent workers hold the old position: start new ones
 
+    def _start_method(self) -> str:
+        """How the workers start: ``multiprocessing_context=``, else the default."""
+        context = self.kwargs.get("multiprocessing_context")
+        get = getattr(context, "get_start_method", None)
+        method = get() if get is not None else context
+        # (the first method listed is the platform's default)
+        return method or multiprocessing.get_start_method(allow_none=True) \
+            or multiprocessing.get_all_start_methods()[0]
+
     def _arena(self) -> TransferArena | None:
         """Shared memory for this epoch's groups, where workers are forked and it is wanted."""
         if (not self.num_workers or not self.transfer_memory or self.transfer_group == 1
                 or self.persistent_workers):
             return None  # (an arena lives for one epoch's workers)
-        context = self.kwargs.get("multiprocessing_context")
-        get = getattr(context, "get_start_method", None)
-        method = get() if get is not None else context
-        if not TransferArena.supported(method):
+        if not TransferArena.supported(self._start_method()):
             return None
         slots = (self.kwargs.get("prefetch_factor") or 2) + 1
         return TransferArena(self._streams, slots, self.transfer_memory)
@@ -252,6 +259,8 @@ class ShardLoader:
             return
         if self.dataset.equalize is not None:
             self.dataset.ensure_shard_sizes()  # once, here, not in every worker
+        if self.num_workers and self._start_method() != "fork":
+            self.dataset.openers.check_picklable()  # the workers unpickle the dataset
         resume = None
         if self._resume is not None:
             resume = self.dataset.check_state(self._resume)

@@ -30,7 +30,7 @@ from ember.shards.errors import ShardError
 from ember.shards.reading import _ErrorPolicy, iter_shard, rank_and_world
 
 if TYPE_CHECKING:
-    from ember.shards.urls import UrlOptions
+    from ember.shards.urls import Openers, UrlOptions
 
 __all__ = ["RayShardLoader"]
 
@@ -60,6 +60,7 @@ class _Spec:
     generator: torch.Generator | None
     raise_errors: bool  # on_error="raise": shard and decode errors end the task
     group: int  # items per object sent (batched pipelines send every batch alone)
+    openers: Openers | None = None  # registered openers of the URLs: registered in the worker
 
 
 @dataclass
@@ -488,7 +489,7 @@ class RayShardLoader:
             per_sample = ds.stages[:-1]
         spec = _Spec(urls=ds.urls, options=ds.options, stages=per_sample, batch=batch,
                      seed=ds.seed, generator=ds.generator, raise_errors=ds.on_error == "raise",
-                     group=self.transfer_group)
+                     group=self.transfer_group, openers=ds.openers)
         # "streaming": each object a task yields reaches this process while the task goes on
         remote = ray.remote(run_shard).options(**{**self.ray_remote_args,
                                                   "num_returns": "streaming"})

@@ -75,6 +75,7 @@ def _samples(stream, url: str, base: int = 0) -> Iterator[dict]:
             src.base = base
         try:
             yield from group_samples(iter_members(src, url), url)
+            src.finish()  # after the last sample: a gzip trailer cut short is an error too
         finally:
             src.close()
         parsed_to_end(stream)

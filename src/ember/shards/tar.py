@@ -11,7 +11,9 @@ padding, right after a long-name record, and also right after a complete member 
 end-of-archive blocks. GNU tar accepts that last case, but a shard cut at a member boundary looks
 exactly like it and the sample in progress may have lost members, so a reader must not treat it
 as a clean end. A gzip stream that ends before its end-of-stream marker is truncated for the same
-reason, wherever the cut falls in the tar stream.
+reason, wherever the cut falls, in the tar stream or after it: a reader calls the source's
+``finish()`` after the last member, which reads the gzip stream to the end of its last member and
+checks its trailer (CRC-32 and length).
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class _MemorySource:
 
     def truncated(self, what: str, at: int) -> TruncatedShardError:
         return TruncatedShardError(f"archive ends {what}", self.url, at)
+
+    def finish(self) -> None:
+        """Check what follows the archive's end (called once its members were read without
+        an error): nothing to check in memory."""
 
     def take(self, start: int, size: int, padded: int, with_data: bool, what: str) -> bytes | None:
         """Consume a member's padded data that runs past the window: here, always truncation."""
@@ -174,6 +180,13 @@ class _StreamSource:
         self.buf, self.base, self.end = b"", at + padded, 0
         return data
 
+    def finish(self) -> None:
+        """Check what follows the archive's end (called once its members were read without
+        an error): a gzip stream is read to the end of its last member, so its trailer (CRC-32
+        and length) is checked, once per shard; a TruncatedShardError if it is cut short."""
+        if isinstance(self.stream, _Gunzip):
+            self.stream.read_to_end()
+
     def truncated(self, what: str, at: int) -> TruncatedShardError:
         why = getattr(self.stream, "truncated", None)
         return TruncatedShardError(f"archive ends {what}" + (f"; {why}" if why else ""), self.url, at)
@@ -238,6 +251,18 @@ class _Gunzip:
             if out:
                 self._out += len(out)
                 return out
+
+    def read_to_end(self) -> None:
+        """Decompress the rest of the stream (what follows the tar's end: padding, zero bytes)
+        through the trailer of its last member, which zlib checks (a ShardError if the CRC-32
+        or length is wrong); a TruncatedShardError if the stream ends before that trailer."""
+        self._block, self._at = b"", 0
+        while self._inflate():
+            pass
+        if self.truncated:
+            raise TruncatedShardError("the gzip stream ends before its trailer (CRC-32 and "
+                                      "length), after the tar's end-of-archive blocks",
+                                      self.url, self._out)
 
     def read(self, n: int) -> bytes:
         at = self._at

@@ -29,8 +29,10 @@ from typing import Any, BinaryIO, cast
 from ember.shards.errors import NotFoundError, ShardError
 
 __all__ = ["expand_urls", "open_url", "UrlOptions", "local_path", "parsed_to_end",
-           "url_options_from", "register_opener", "sibling_url", "url_scheme", "file_beside"]
+           "url_options_from", "register_opener", "sibling_url", "url_scheme", "file_beside",
+           "Openers"]
 
+MAX_TIMEOUT = 86400.0  # the longest socket timeout UrlOptions accepts, in seconds (a day)
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 
@@ -106,7 +108,8 @@ def expand_urls(urls: str | Path | Iterable) -> list[str]:
 class UrlOptions:
     """How shard URLs are opened (``ShardDataset(url_options=...)``, :func:`open_url`).
 
-    ``timeout``: socket timeout in seconds. ``retries``: consecutive failed attempts tolerated
+    ``timeout``: socket timeout in seconds, at most a day (:data:`MAX_TIMEOUT`); None waits
+    without limit. ``retries``: consecutive failed attempts tolerated
     per shard (a resumed read that makes progress resets the count); ``backoff``: seconds before
     the first retry, doubling up to 5 s. ``headers``: extra HTTP request headers (for example
     an ``Authorization``). ``allow_pipe``: enables ``pipe:`` URLs, which run shell commands.
@@ -116,7 +119,7 @@ class UrlOptions:
     cache in bytes.
     """
 
-    timeout: float = 60.0
+    timeout: float | None = 60.0
     retries: int = 5
     backoff: float = 0.2
     headers: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -126,17 +129,18 @@ class UrlOptions:
     cache_size: int | None = None
 
     def __post_init__(self) -> None:
-        from ember.shards.checks import integer, real
+        from ember.shards.checks import boolean, integer, real
 
         set_ = object.__setattr__  # frozen: the checked values replace the given ones
-        set_(self, "timeout", real(self.timeout, "timeout", above=0.0))
+        if self.timeout is not None:
+            set_(self, "timeout", real(self.timeout, "timeout", above=0.0, maximum=MAX_TIMEOUT))
         set_(self, "retries", integer(self.retries, "retries", minimum=0))
         set_(self, "backoff", real(self.backoff, "backoff", minimum=0.0))
         if not isinstance(self.headers, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()):
             raise TypeError(f"headers must map str to str, got {self.headers!r}")
         set_(self, "headers", dict(self.headers))
-        set_(self, "allow_pipe", bool(self.allow_pipe))
+        boolean(self.allow_pipe, "allow_pipe")
         if self.cache_dir is not None:
             set_(self, "cache_dir", os.fspath(self.cache_dir))
         if self.cache_size is not None:
@@ -228,6 +232,52 @@ def _scheme(url: str) -> _Scheme:
     return found
 
 
+class Openers:
+    """The openers that the URLs ``urls`` need beyond ember's built-in ones (schemes registered
+    with :func:`register_opener`, or built-in schemes registered again).
+
+    It looks them up when pickled and carries them (functions by reference, as pickle does);
+    unpickling registers them again. A dataset holds one, so a process that unpickles the
+    dataset (a DataLoader worker started with spawn or forkserver, a Ray worker), where a
+    registration made under ``if __name__ == "__main__":`` never ran, opens those URLs as the
+    process that pickled it does.
+    """
+
+    def __init__(self, urls: Iterable[str]):
+        self.schemes = tuple(sorted({url_scheme(u) for u in urls}))
+
+    def _registered(self) -> dict[str, _Scheme]:
+        return {s: _SCHEMES[s] for s in self.schemes
+                if s in _SCHEMES and _SCHEMES[s] is not _BUILT_IN.get(s)}
+
+    def check_picklable(self) -> None:
+        """Raise a TypeError naming the scheme whose opener pickle cannot carry to a worker
+        process started with spawn or forkserver (a lambda, a nested function)."""
+        import pickle
+
+        for scheme, registered in self._registered().items():
+            try:
+                pickle.dumps(registered.opener)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise TypeError(
+                    f"the opener registered for the URL scheme {scheme!r} "
+                    f"({registered.opener!r}) cannot be pickled ({exc}), so worker processes "
+                    "started with spawn or forkserver cannot open its URLs: register a function "
+                    "defined at module level (or an instance of a class defined there)"
+                ) from None
+
+    def __reduce__(self):
+        return (_registering, (self.schemes, self._registered()))
+
+
+def _registering(schemes: tuple[str, ...], registered: dict[str, _Scheme]) -> Openers:
+    """Unpickles an :class:`Openers`: registers what it carries."""
+    _SCHEMES.update(registered)
+    out = Openers.__new__(Openers)
+    out.schemes = schemes
+    return out
+
+
 def sibling_url(url: str, suffix: str) -> str | None:
     """The URL of the file named like the shard plus ``suffix`` (its index: ``.idx``), or None
     where no file can lie beside it (``pipe:`` commands, unknown schemes)."""
@@ -272,7 +322,9 @@ def _open_pipe(url: str, options: UrlOptions) -> BinaryIO:
 def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes | None:
     """The bytes of the file ``name`` in the folder of the shard ``url`` (a local path, or a URL
     whose scheme has files beside its shards: http(s), s3), or None where there is none (or
-    can be none). Read whole, never cached."""
+    can be none). Read whole, never cached. A remote file is an optional one: asked for once,
+    without retries, and one that cannot be fetched (an unreachable server, a dropped
+    connection) is None with a warning naming it, so the shards' own reads report the problem."""
     path = local_path(url)
     if path is not None:
         try:
@@ -283,13 +335,17 @@ def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes
             raise ShardError(f"cannot read {name} beside it: {exc}", url) from exc
     if sibling_url(url, "") is None or "/" not in url:
         return None
-    options = dataclasses.replace(options or UrlOptions(), cache_dir=None, cache_size=None)
+    options = dataclasses.replace(options or UrlOptions(), retries=0, cache_dir=None,
+                                  cache_size=None)
+    where = url.rsplit("/", 1)[0] + "/" + name
     try:
-        stream = open_url(url.rsplit("/", 1)[0] + "/" + name, options)
+        with open_url(where, options) as stream:
+            return stream.read()
     except NotFoundError:
         return None
-    with stream:
-        return stream.read()
+    except ShardError as exc:
+        warnings.warn(f"cannot read {where} ({exc.message}); going on without it", stacklevel=2)
+        return None
 
 
 def parsed_to_end(stream: BinaryIO) -> None:
@@ -342,7 +398,8 @@ class _RetryingStream(io.RawIOBase):
         self._failures += 1
         self._drop()
         if self._failures > self._options.retries:
-            raise ShardError(f"giving up after {self._failures} failed attempts: {exc}",
+            raise ShardError(f"giving up after {self._failures} failed attempt"
+                             f"{'s' if self._failures != 1 else ''}: {exc}",
                              self.url, self._pos) from exc
         time.sleep(min(self._options.backoff * 2 ** (self._failures - 1), 5.0))
 
@@ -388,10 +445,25 @@ def _changed(url: str, offset: int, how: str) -> ShardError:
                       "before belong to another version: read the shard again", url, offset)
 
 
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-\d+/(?:\d+|\*)\s*$", re.IGNORECASE)
+
+
+def _check_start(url: str, offset: int, content_range: str | None) -> None:
+    """Raise unless a partial response's ``Content-Range`` starts at ``offset``, the byte asked
+    for: bytes from anywhere else would be stitched in as if they followed."""
+    m = _CONTENT_RANGE.match(content_range or "")
+    if m is not None and int(m.group(1)) == offset:
+        return
+    answer = f"Content-Range: {content_range}" if content_range else "no Content-Range"
+    raise ShardError(f"asked for bytes={offset}-, the server answered with {answer}; its bytes "
+                     "would not continue the stream", url, offset)
+
+
 class _HttpOpener:
     """GET with ``Range: bytes=N-`` through http.client, following redirects. The first
     response's ETag (or Last-Modified) is what every resumed request asks for (``If-Range``)
-    and must match."""
+    and must match; a partial answer must start at the byte asked for (``Content-Range``), a
+    whole one (200) is read past the bytes already read."""
 
     def __init__(self, url: str, options: UrlOptions):
         self.url = url
@@ -454,6 +526,12 @@ class _HttpOpener:
             except ShardError:
                 conn.close()
                 raise
+            if resp.status == 206:
+                try:
+                    _check_start(self.url, offset, resp.getheader("Content-Range"))
+                except ShardError:
+                    conn.close()
+                    raise
             length = resp.getheader("Content-Length")
             body = _HttpBody(conn, resp)
             if offset and resp.status == 200:  # server ignored the range: skip what we have
@@ -500,7 +578,7 @@ _S3_CLIENTS: dict[tuple[int, int, str | None], object] = {}
 _S3_LOCK = threading.Lock()
 
 
-def _s3_client(endpoint: str | None, timeout: float):
+def _s3_client(endpoint: str | None, timeout: float | None):
     key = (os.getpid(), threading.get_ident(), endpoint)
     with _S3_LOCK:
         client = _S3_CLIENTS.get(key)
@@ -577,6 +655,12 @@ class _S3Opener:
         elif self.etag and resp.get("ETag") and resp["ETag"] != self.etag:
             resp["Body"].close()
             raise _changed(self.url, offset, f"ETag {self.etag}, now {resp['ETag']}")
+        else:
+            try:
+                _check_start(self.url, offset, resp.get("ContentRange"))
+            except ShardError:
+                resp["Body"].close()
+                raise
         length = resp.get("ContentLength")
         return resp["Body"], (offset + length) if length is not None else None
 
@@ -692,3 +776,4 @@ register_opener("https", _open_http, cacheable=True)
 register_opener("s3", _open_s3, cacheable=True)
 register_opener("pipe", _open_pipe, siblings=False)
 register_opener("tcp", _open_tcp, siblings=False)
+_BUILT_IN = dict(_SCHEMES)  # what a fresh process has: Openers carries only what differs
