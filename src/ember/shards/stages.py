@@ -336,8 +336,10 @@ class Stage:
 
     def counts_depend_on_content(self, on_error: Any) -> bool:
         """Whether how many items this stage yields, and from which inputs, depends on what the
-        items hold (so a resumed stream cannot be laid out from sample counts alone)."""
-        return self.handler is not None
+        items hold, or whether the stage reads items that are not one-to-one (so a resumed
+        stream cannot be laid out from sample counts alone, with placeholders for the items
+        delivered). True unless a stage says otherwise: a stage is taken to read its items."""
+        return True
 
     def run(self, src: Iterator, ctx: StageContext, index: int) -> Iterator:
         """The stage over ``src``, as stage ``index`` of a pipeline run by ``ctx``."""
@@ -362,6 +364,15 @@ class Stage:
         return [x for x in vars(self).values() if callable(x)]
 
 
+class _CountFree(Stage):
+    """A built-in stage whose item counts follow from the counts of its inputs alone (one-to-one
+    stages run around placeholders, the others never look at their items), unless a handler
+    skips items."""
+
+    def counts_depend_on_content(self, on_error: Any) -> bool:
+        return self.handler is not None
+
+
 def _check_handler(handler: Callable[[Exception], Any] | None) -> Callable | None:
     if handler is not None and not callable(handler):
         raise TypeError(f"expected handler= to be None or a callable taking the exception "
@@ -369,7 +380,7 @@ def _check_handler(handler: Callable[[Exception], Any] | None) -> Callable | Non
     return handler
 
 
-class Shuffle(Stage):
+class Shuffle(_CountFree):
     """Shuffle through a buffer of ``bufsize`` items (dataset level: once ``initial`` are
     buffered; loader level: across workers, its buffer in the loader's state)."""
 
@@ -397,7 +408,7 @@ class Shuffle(Stage):
         return rebatch._Shuffle(self.bufsize, start)
 
 
-class RSample(Stage):
+class RSample(_CountFree):
     """Keep each item with probability ``p``."""
 
     name = "rsample"
@@ -412,7 +423,7 @@ class RSample(Stage):
         return rsample(src, self.p, ctx.draw(index))
 
 
-class Slice(Stage):
+class Slice(_CountFree):
     """``itertools.islice`` on each reading stream."""
 
     name = "slice"
@@ -432,7 +443,7 @@ class Slice(Stage):
         return islice_stream(src, self.start, self.stop, self.step)
 
 
-class Batched(Stage):
+class Batched(_CountFree):
     """Group items into batches of ``batchsize``, collated by ``collation_fn``."""
 
     name = "batched"
@@ -456,7 +467,7 @@ class Batched(Stage):
         return rebatch._Batch(self.batchsize, self.collation_fn, self.partial)
 
 
-class Unbatched(Stage):
+class Unbatched(_CountFree):
     """Split every item (a batch) into its items."""
 
     name = "unbatched"
@@ -473,7 +484,7 @@ class Unbatched(Stage):
         return rebatch._Unbatch()
 
 
-class Decode(Stage):
+class Decode(_CountFree):
     """Decode fields by extension (a Decoder); decode errors go to ``handler`` if given, else
     to the dataset's on_error."""
 
@@ -496,7 +507,7 @@ class Decode(Stage):
         return self.decoder
 
 
-class Map(Stage):
+class Map(_CountFree):
     """Apply ``fn`` to every item."""
 
     name = "map"
@@ -515,7 +526,7 @@ class Map(Stage):
         return self.fn
 
 
-class MapDict(Stage):
+class MapDict(_CountFree):
     """Apply ``fns[field]`` to those fields of every sample dict."""
 
     name = "map_dict"
@@ -534,7 +545,7 @@ class MapDict(Stage):
         return list(self.fns.values()) + super().callables()
 
 
-class MapTuple(Stage):
+class MapTuple(_CountFree):
     """Apply ``fns[i]`` to element ``i`` of every tuple item."""
 
     name = "map_tuple"
@@ -555,7 +566,7 @@ class MapTuple(Stage):
         return [f for f in self.fns if f is not None] + super().callables()
 
 
-class Rename(Stage):
+class Rename(_CountFree):
     """Rename fields, ``new="old1;old2"``."""
 
     name = "rename"
@@ -585,7 +596,7 @@ class Select(Stage):
         return select(src, self.predicate)
 
 
-class ToTuple(Stage):
+class ToTuple(_CountFree):
     """Turn sample dicts into tuples of fields."""
 
     name = "to_tuple"
@@ -602,7 +613,7 @@ class ToTuple(Stage):
         return to_tuple(src, self.fields, self.missing_ok)
 
 
-class ExtractKeys(Stage):
+class ExtractKeys(_CountFree):
     """Turn sample dicts into tuples of the fields whose names match glob patterns."""
 
     name = "extract_keys"
