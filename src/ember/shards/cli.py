@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ember.shards.dataset import ShardDataset
 from ember.shards.decode import IMAGE_EXTENSIONS, MAX_PIXELS
 from ember.shards.errors import ShardError
-from ember.shards.format import is_metadata
+from ember.shards.format import group_samples, is_metadata, split_name
 from ember.shards.index import (
     INDEX_SUFFIX,
     build_index,
@@ -36,6 +36,7 @@ from ember.shards.index import (
     write_index,
 )
 from ember.shards.reading import _samples, iter_shard
+from ember.shards.tar import iter_members, open_tar_source
 from ember.shards.urls import UrlOptions, expand_urls, file_beside, local_path
 from ember.shards.writer import ShardWriter, TarWriter, shard_path
 
@@ -796,9 +797,10 @@ def _folder_samples(images: list[tuple[int, str, str, str]]):
         yield {"__key__": key, ext: data, "cls": str(index).encode(), "__path__": path}
 
 
-def _say_left_out(found: _Found) -> None:
+def _say_left_out(found: _Found, members: bool = False) -> None:
     """One line for the files left out (hidden, or not an image), one for the symlinked folders
-    walked already, and one for keys that differ from file names."""
+    walked already, and one for keys that differ from file names (``members``: the names are
+    those of a tar stream's files, not paths)."""
     skipped, hidden, renamed = found.skipped, found.hidden, found.renamed
     if skipped or hidden:
         n = len(skipped) + len(hidden)
@@ -809,7 +811,7 @@ def _say_left_out(found: _Found) -> None:
             why.append(f"{len(skipped)} not an image by {'its' if len(skipped) == 1 else 'their'}"
                        " extension")
         noun = "file or folder" if n == 1 else "files or folders"
-        if not any(os.path.isdir(p) for p in hidden):
+        if members or not any(os.path.isdir(p) for p in hidden):
             noun = "file" if n == 1 else "files"
         print(f"ember shards create: left out {n} {noun}: "
               f"{', '.join(why)} (first: {(hidden or skipped)[0]})", file=sys.stderr)
@@ -956,14 +958,57 @@ def _folder_source(args, src: str):
     return _folder_samples(images), len(images), extra
 
 
+def _stream_members(members, found: _Found):
+    """The members of a tar stream as ``create FOLDER`` would name them: without a leading
+    ``./``, hidden files and folders left out (in ``found.hidden``), and a first path part that
+    webdataset reserves (``__background__``) without its first ``_`` (in ``found.renamed``)."""
+    plain: set[str] = set()  # first path parts as they are
+    moved: dict[str, str] = {}  # reserved first path part -> the one written
+    for name, data, offset in members:
+        while name.startswith("./"):
+            name = name[2:]
+        if not name:
+            continue
+        if any(_hidden(part) for part in name.split("/")):
+            found.hidden.append(name)
+            continue
+        first = name.split("/", 1)[0]
+        if is_metadata(name):
+            original, name = name, first[1:] + name[len(first):]
+            moved[first] = first[1:]
+            key = (split_name(name) or (name, ""))[0]
+            if not found.renamed or found.renamed[-1][1] != key:  # one entry per sample
+                found.renamed.append((original, key))
+        else:
+            plain.add(first)
+        clash = [m for m, n in moved.items() if n in plain]
+        if clash:
+            raise ValueError(f"class folders {clash[0]!r} and {moved[clash[0]]!r} both exist: "
+                             f"webdataset skips members under {clash[0]}/, and keys under "
+                             f"{moved[clash[0]]}/ are taken; rename one of them")
+        yield name, data, offset
+
+
+def _stream_samples(stream, found: _Found):
+    """The samples of a tar stream (standard input), named as :func:`_stream_members` says."""
+    src = open_tar_source(stream, "-")
+    try:
+        yield from group_samples(_stream_members(iter_members(src, "-"), found), "-")
+    finally:
+        src.close()
+
+
 def _create(args) -> int:
     src = args.source
     _check_write_flags(args, [])
     bad: list[str] | None = [] if args.skip_bad else None
-    if src == "-":  # a tar stream on standard input: what `split -` does
-        samples = _checked_images(_read("-"), "standard input", bad)
+    if src == "-":  # a tar stream on standard input, named as from a folder
+        found = _Found()
+        samples = _checked_images(_stream_samples(sys.stdin.buffer, found), "standard input",
+                                  bad)
         with _progress(samples, args, unit="sample") as bar:
             code = _write_all(args, ["-"], bar, join=True)
+        _say_left_out(found, members=True)
         _say_bad(bad or [])
         return code
     extra = None
