@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -682,6 +683,8 @@ class _Found:
     hidden: list[str] = dataclasses.field(default_factory=list)  # name starting with '.'
     loops: list[str] = dataclasses.field(default_factory=list)  # symlinked folders walked already
     renamed: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, key)
+    special: list[str] = dataclasses.field(default_factory=list)  # FIFOs, devices, sockets
+    broken: list[str] = dataclasses.field(default_factory=list)  # "path: why it cannot be read"
     empty: list[str] = dataclasses.field(default_factory=list)  # class folders without images
 
 
@@ -732,6 +735,30 @@ def _class_prefix(name: str, classes: list[str]) -> str:
     return name[1:]
 
 
+def _unreadable(path: str) -> str | None:
+    """Why the file at ``path`` cannot be read as an image file (a broken or looping symlink, a
+    FIFO, device or socket), or None; the file is not opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        link = "a broken symlink" if os.path.islink(path) else "cannot be read"
+        return f"{link} ({exc.strerror})"
+    return None if stat.S_ISREG(mode) else _NOT_REGULAR
+
+
+_NOT_REGULAR = "not a regular file"
+
+
+def _read_regular(path: str) -> bytes:
+    """The bytes of the regular file ``path``; anything else (a FIFO, whose opening would wait
+    for a writer, a device, a socket) is refused without waiting."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: {_NOT_REGULAR} (a FIFO, device or socket)")
+        return f.read()
+
+
 def _class_keys(index: int, name: str, prefix: str, entries: list[tuple[str, str, str]],
                 found: _Found) -> None:
     """Add the images among ``entries`` (of class folder ``name``) to ``found`` with their keys."""
@@ -740,6 +767,13 @@ def _class_keys(index: int, name: str, prefix: str, entries: list[tuple[str, str
         stem, dot, ext = fname.rpartition(".")
         if not (dot and stem and ext.lower() in IMAGE_EXTENSIONS):
             found.skipped.append(path)
+            continue
+        why = _unreadable(path)
+        if why == _NOT_REGULAR:
+            found.special.append(path)
+            continue
+        if why is not None:
+            found.broken.append(f"{path}: {why}")
             continue
         head = f"{prefix}/{rel}/" if rel else f"{prefix}/"
         plain.setdefault(head + stem.replace(".", "_"), []).append((fname, ext, path))
@@ -791,8 +825,7 @@ def _folder_images(root: str, classes: list[str]) -> _Found:
 
 def _folder_samples(images: list[tuple[int, str, str, str]]):
     for index, _name, key, path in images:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = _read_regular(path)
         ext = path.rpartition(".")[2].lower()
         yield {"__key__": key, ext: data, "cls": str(index).encode(), "__path__": path}
 
@@ -801,20 +834,23 @@ def _say_left_out(found: _Found, members: bool = False) -> None:
     """One line for the files left out (hidden, or not an image), one for the symlinked folders
     walked already, and one for keys that differ from file names (``members``: the names are
     those of a tar stream's files, not paths)."""
-    skipped, hidden, renamed = found.skipped, found.hidden, found.renamed
-    if skipped or hidden:
-        n = len(skipped) + len(hidden)
+    skipped, hidden, renamed, special = found.skipped, found.hidden, found.renamed, found.special
+    if skipped or hidden or special:
+        n = len(skipped) + len(hidden) + len(special)
         why = []
         if hidden:
             why.append(f"{len(hidden)} hidden (name starting with '.')")
         if skipped:
             why.append(f"{len(skipped)} not an image by {'its' if len(skipped) == 1 else 'their'}"
                        " extension")
+        if special:
+            why.append(f"{len(special)} {_NOT_REGULAR}{'s' * (len(special) != 1)} (a FIFO, "
+                       "device or socket, never opened)")
         noun = "file or folder" if n == 1 else "files or folders"
         if members or not any(os.path.isdir(p) for p in hidden):
             noun = "file" if n == 1 else "files"
         print(f"ember shards create: left out {n} {noun}: "
-              f"{', '.join(why)} (first: {(hidden or skipped)[0]})", file=sys.stderr)
+              f"{', '.join(why)} (first: {(hidden or skipped or special)[0]})", file=sys.stderr)
     if found.loops:
         n = len(found.loops)
         print(f"ember shards create: left out {n} symlinked folder{'s' * (n != 1)} already walked "
@@ -877,7 +913,7 @@ def _checked_images(samples, source: str, bad: list[str] | None = None):
 def _say_bad(bad: list[str]) -> None:
     if bad:
         n = len(bad)
-        print(f"ember shards create: left out {n} bad image{'s' * (n != 1)} (--skip-bad): "
+        print(f"ember shards create: left out {n} bad image file{'s' * (n != 1)} (--skip-bad): "
               + "; ".join(bad), file=sys.stderr)
 
 
@@ -898,8 +934,7 @@ def _list_samples(list_file: str):
         if not dot or not stem:
             raise ValueError(f"{list_file}: {name!r} has no extension to name its field")
         key = f"{folder}/{stem}" if folder else stem
-        with open(os.path.join(base, name), "rb") as f:
-            data = f.read()
+        data = _read_regular(os.path.join(base, name))
         if current is not None and current["__key__"] == key:
             if ext in current:
                 raise ValueError(f"{list_file}: {name!r} is listed twice")
@@ -935,9 +970,10 @@ def _classes_file(args, data: bytes) -> dict[str, bytes]:
     return {path: data}
 
 
-def _folder_source(args, src: str):
+def _folder_source(args, src: str, bad: list[str] | None):
     """The samples of an ImageFolder ``src`` (shuffled unless --no-shuffle), their number and
-    the classes.json to write beside them."""
+    the classes.json to write beside them. A file that cannot be read (a broken symlink) stops
+    the command, or with ``bad`` (--skip-bad) is listed there."""
     if not os.path.isdir(src):
         raise ValueError(f"{src} is not a folder (ImageFolder layout: one subfolder per "
                          "class); use --list for a file of paths, or '-' for a tar stream on "
@@ -950,7 +986,12 @@ def _folder_source(args, src: str):
     extra = _classes_file(args, json.dumps({"classes": classes}).encode("utf-8"))
     found = _folder_images(src, classes)
     found.hidden[:0] = [os.path.join(src, e) for e in tops if _hidden(e)]
+    if found.broken and bad is None:
+        raise ValueError(f"{found.broken[0]}; remove it, or fix it, and run again (or pass "
+                         "--skip-bad)")
     _say_left_out(found)
+    if bad is not None:
+        bad.extend(found.broken)
     images = found.images
     if not args.no_shuffle:  # else a shard holds one or two classes, in folder order
         g = torch.Generator().manual_seed(args.seed)
@@ -1019,7 +1060,7 @@ def _create(args) -> int:
         _check_overwrite(args)  # refused before anything is said or read
         samples = _list_samples(src)
     else:
-        samples, total, extra = _folder_source(args, src)
+        samples, total, extra = _folder_source(args, src, bad)
     with _progress(_checked_images(samples, src, bad), args, unit="sample", total=total) as bar:
         code = _write_all(args, [], bar, extra=extra)
     _say_bad(bad or [])
