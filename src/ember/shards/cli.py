@@ -349,6 +349,8 @@ def _byte_size(text: str) -> int:
     value = float(m.group(1)) * _UNITS[unit]
     if value < 1:
         raise ValueError(f"--maxsize must be at least 1 byte, got {text!r}")
+    if not value < 2**63:  # infinity too (1e400)
+        raise ValueError(f"--maxsize must be below 2**63 bytes (8 EiB), got {text!r}")
     return int(value)
 
 
