@@ -481,8 +481,8 @@ class RayShardLoader:
         batch = None
         per_sample = ds.stages
         partial = True
-        last = ds.stages[-1] if ds.stages else None
-        if isinstance(last, stages.Batched):
+        last = cast(Any, ds.stages[-1]) if ds.stages else None
+        if last is not None and last.ray_scope == "final":  # a batching stage (_check_pipeline)
             batch = (last.batchsize, last.collation_fn)
             partial = last.partial
             per_sample = ds.stages[:-1]
@@ -692,6 +692,7 @@ def _check_pipeline(ds: ShardDataset) -> None:
                              "ranks by ember's plan)")
     for j, stage in enumerate(ds.stages):
         if stage.ray_scope == "final":
+            _check_final(stage)
             if j != len(ds.stages) - 1:
                 raise ValueError(f"RayShardLoader needs {stage.name}(n) as the last stage, got "
                                  f"{ds.stages[j + 1].name!r} after it (map the items before "
@@ -702,3 +703,15 @@ def _check_pipeline(ds: ShardDataset) -> None:
             finals = [c.name for c in stages.REGISTRY.values() if c.ray_scope == "final"]
             raise ValueError(f"RayShardLoader does not run the {stage.name!r} stage (stages it "
                              f"runs: {', '.join(runs + finals)})")
+
+
+def _check_final(stage: stages.Stage) -> None:
+    """Refuse a final-scope stage that does not say how it batches (tasks cut full batches of
+    ``batchsize`` collated by ``collation_fn``; the trainer batches the rest, the last one short
+    if ``partial``)."""
+    size = getattr(stage, "batchsize", None)
+    missing = [a for a in ("collation_fn", "partial") if not hasattr(stage, a)]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or missing:
+        raise ValueError(f"RayShardLoader runs the final-scope stage {stage.name!r} as a batching "
+                         "stage: it needs the attributes batchsize (a whole number >= 1), "
+                         "collation_fn and partial")

@@ -305,8 +305,10 @@ class Stage:
     Class attributes: ``name`` (the fluent method), ``one_to_one`` (each item in gives at most
     one item out, at once: such a stage runs item by item, around the placeholders of a resumed
     stream), ``draws`` (draws random numbers: it gets a generator per stream and stage),
-    ``ray_scope`` (``"shard"``: a Ray task runs it over its one shard's items; ``"final"``: as
-    the last stage, Ray tasks cut their shard's part and the trainer the rest; None: not on Ray),
+    ``ray_scope`` (``"shard"``: a Ray task runs it over its one shard's items; ``"final"``: a
+    batching stage with ``batchsize``, ``collation_fn`` and ``partial`` attributes: as the last
+    stage, Ray tasks cut their shard's full batches and the trainer the rest, and ShardLoader's
+    workers send its batches one at a time; None: not on Ray),
     ``loader_level`` (it also runs in ShardLoader's main process, with a state of its own:
     :meth:`runner`), ``dataset_level`` (it runs in a dataset's reading streams), ``errors``
     (``"handler"``: exceptions go to ``handler=`` if given; ``"on_error"``: decode errors go to
