@@ -4,8 +4,13 @@ command says."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
-from test_cli_guards import ember, one_error_line
+from test_cli_guards import ember, entry_point, one_error_line
 
 from ember.shards import ShardWriter
 
@@ -23,3 +28,23 @@ def test_a_maxsize_past_any_number_is_one_line(tmp_path, size):
                                 "--maxsize", size), "split")
     assert "--maxsize" in line and size in line
     assert not (tmp_path / "o").exists()
+
+
+def test_cat_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    with ShardWriter(str(tmp_path / "s-%04d.tar"), maxcount=5000) as w:
+        for i in range(5000):  # more lines than a pipe and stdout's buffer hold
+            w.write({"__key__": f"sample-{i:06d}", "txt": "x"})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([*entry_point(), "shards", "cat", str(tmp_path / "s-0000.tar")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"sample-000000")
+    proc.stdout.close()  # as `| head -1` does once it has its line
+    try:
+        err = proc.stderr.read()
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert err == b""
+    assert code == 128 + signal.SIGPIPE  # as a Unix tool ended by SIGPIPE
+

@@ -1092,6 +1092,20 @@ def _any_outputs(pattern: str) -> bool:
         return False
 
 
+def _quiet_stdout() -> None:
+    """Point standard output at the null device, so that nothing more (the flush at the exit)
+    is written into a pipe that was closed."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file (tests swap it for a buffer)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 def _guarded(name: str, fn: Callable) -> Callable:
     """Run ``fn(args)``, turning bad input (a shard error, a bad argument) into a one-line
     message and exit status 2 instead of a traceback."""
@@ -1099,7 +1113,12 @@ def _guarded(name: str, fn: Callable) -> Callable:
     def run(args) -> int:
         try:
             with _stop_signals_raise():
-                return fn(args)
+                code = fn(args)
+                sys.stdout.flush()  # a closed pipe is found here, not at the exit
+                return code
+        except BrokenPipeError:  # `ember shards cat ... | head`: quiet, as Unix tools are
+            _quiet_stdout()
+            return 128 + getattr(signal, "SIGPIPE", 13)
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: one line, the signal's status
             if name not in _WRITERS:
                 what = ""
