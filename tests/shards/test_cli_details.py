@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_cli_guards import ember, entry_point, one_error_line
+from test_cli_guards import ember, entry_point, one_error_line, png
 
 from ember.shards import ShardWriter
 
@@ -48,3 +48,30 @@ def test_cat_into_a_pipe_closed_early_ends_quietly(tmp_path):
     assert err == b""
     assert code == 128 + signal.SIGPIPE  # as a Unix tool ended by SIGPIPE
 
+
+
+@pytest.fixture
+def images(tmp_path):
+    root = tmp_path / "in"
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for j in range(2):
+            (root / c / f"i{j}.png").write_bytes(png(4, 4))
+    return root
+
+
+def test_no_shuffle_with_a_seed_is_refused(images, tmp_path):
+    r = ember("create", str(images), "-o", str(tmp_path / "o" / "s-%03d.tar"), "--no-shuffle",
+              "--seed", "5")
+    line = one_error_line(r, "create")
+    assert "--seed" in line and "--no-shuffle" in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag", [["--seed", "5"], ["--no-shuffle"]])
+def test_an_order_flag_for_a_list_or_a_stream_is_refused(images, tmp_path, flag):
+    (images / "list.txt").write_text("a/i0.png\n")
+    for source in (["--list", str(images / "list.txt")], ["-"]):
+        r = ember("create", *source, "-o", str(tmp_path / "o" / "s-%03d.tar"), *flag)
+        assert flag[0] in one_error_line(r, "create")
+        assert not (tmp_path / "o").exists()

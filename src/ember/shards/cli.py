@@ -996,7 +996,7 @@ def _folder_source(args, src: str, bad: list[str] | None):
         bad.extend(found.broken)
     images = found.images
     if not args.no_shuffle:  # else a shard holds one or two classes, in folder order
-        g = torch.Generator().manual_seed(args.seed)
+        g = torch.Generator().manual_seed(0 if args.seed is None else args.seed)
         images = [images[i] for i in torch.randperm(len(images), generator=g).tolist()]
     return _folder_samples(images), len(images), extra
 
@@ -1041,8 +1041,22 @@ def _stream_samples(stream, found: _Found):
         src.close()
 
 
+def _check_order_flags(args) -> None:
+    """Refuse --seed and --no-shuffle where they cannot mean anything."""
+    if args.source == "-" or args.list:
+        given = "--seed" if args.seed is not None else "--no-shuffle" if args.no_shuffle else None
+        if given is not None:
+            raise ValueError(f"{given} orders the samples of a folder; "
+                             f"{'a list' if args.list else 'a stream'} is written in its own "
+                             "order")
+    elif args.no_shuffle and args.seed is not None:
+        raise ValueError("--seed sets the shuffled order and --no-shuffle keeps folder order: "
+                         "pass one of them")
+
+
 def _create(args) -> int:
     src = args.source
+    _check_order_flags(args)
     _check_write_flags(args, [])
     bad: list[str] | None = [] if args.skip_bad else None
     if src == "-":  # a tar stream on standard input, named as from a folder
@@ -1192,7 +1206,7 @@ def register(subparsers) -> None:
                            "all are written, checked and in place ({} is its path; e.g. 'aws s3 "
                            "cp {} s3://bucket/'); a failure stops and puts the old files back")
         if name == "create":
-            q.add_argument("--seed", type=int, default=0, help="seed of the order of the "
+            q.add_argument("--seed", type=int, default=None, help="seed of the order of the "
                            "samples of a folder, shuffled over the shards (default: 0)")
             q.add_argument("--no-shuffle", action="store_true", help="keep a folder's samples "
                            "in folder order (each shard then holds one or two classes)")
