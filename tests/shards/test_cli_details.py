@@ -75,3 +75,16 @@ def test_an_order_flag_for_a_list_or_a_stream_is_refused(images, tmp_path, flag)
         r = ember("create", *source, "-o", str(tmp_path / "o" / "s-%03d.tar"), *flag)
         assert flag[0] in one_error_line(r, "create")
         assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("post", ["", "  ", "no-such-program-for-ember-tests {}"])
+def test_a_post_command_that_cannot_run_is_refused_before_the_walk(images, tmp_path,
+                                                                    monkeypatch, post):
+    from ember.shards import cli
+
+    walked = []
+    monkeypatch.setattr(cli.os, "walk", lambda *a, **k: walked.append(a) or iter(()))
+    r = ember("create", str(images), "-o", str(tmp_path / "o" / "s-%03d.tar"), "--post", post)
+    line = one_error_line(r, "create")
+    assert "--post" in line
+    assert walked == [] and not (tmp_path / "o").exists()

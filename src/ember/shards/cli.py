@@ -273,11 +273,14 @@ def _check_output(pattern: str, urls: list[str]) -> None:
 def _post(command: str | None) -> Callable[[str], None] | None:
     """``--post CMD``: run CMD (no shell; ``{}`` replaced by the shard's path, else the path is
     appended) on each finished shard; a failure stops the command."""
-    if not command:
+    if command is None:
         return None
     argv = shlex.split(command)
     if not argv:
         raise ValueError("--post needs a command")
+    if shutil.which(argv[0]) is None:
+        raise ValueError(f"--post: no program {argv[0]!r} found (on PATH, or as an executable "
+                         "file)")
 
     def run(path: str) -> None:
         args = [a.replace("{}", path) for a in argv] if any("{}" in a for a in argv) \
