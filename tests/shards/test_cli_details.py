@@ -12,6 +12,7 @@ import sys
 import pytest
 from test_cli_guards import ember, entry_point, one_error_line, png
 
+from conftest import tar_bytes
 from ember.shards import ShardWriter
 
 
@@ -88,3 +89,19 @@ def test_a_post_command_that_cannot_run_is_refused_before_the_walk(images, tmp_p
     line = one_error_line(r, "create")
     assert "--post" in line
     assert walked == [] and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag", ["--json", "--values"])
+def test_cat_tar_with_a_listing_flag_is_refused(tmp_path, flag):
+    r = ember("cat", _shard(tmp_path), "--tar", flag)
+    line = one_error_line(r, "cat")
+    assert "--tar" in line and flag in line
+    assert r.stdout == b""
+
+
+def test_verify_counts_the_samples_read_before_a_bad_name(tmp_path):
+    path = tmp_path / "s.tar"
+    path.write_bytes(tar_bytes([("a.txt", b"A"), ("b.txt", b"B"), ("../e.txt", b"E")]))
+    r = ember("verify", str(path), "-q")
+    assert r.returncode == 1
+    assert "0 of 1 shards ok, 2 samples read, 1 corrupt" in r.stdout.decode()

@@ -131,6 +131,10 @@ def _cat(args) -> int:
     if args.n is not None and args.n < 0:
         raise ValueError(f"-n must be >= 0, got {args.n}")
     if args.tar:
+        listing = [f for f, on in (("--json", args.json), ("--values", args.values)) if on]
+        if listing:
+            raise ValueError(f"--tar writes the samples as a tar stream, {listing[0]} formats "
+                             "the listing: pass one of them")
         return _cat_tar(args)
     left = args.n
     for url in _urls(args):
@@ -225,10 +229,13 @@ def _verify(args) -> int:
     bad = samples = bad_indexes = 0
     with _progress(urls, args) as bar:
         for url in bar:
+            keys: list[str] = []
             try:
-                keys = [s["__key__"] for s in _read(url, _options(args))]
+                for s in _read(url, _options(args)):
+                    keys.append(s["__key__"])
             except ShardError as exc:
                 bad += 1
+                samples += len(keys)  # those read before the error
                 print(f"CORRUPT {exc}")
                 continue
             samples += len(keys)
