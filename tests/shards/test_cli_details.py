@@ -105,3 +105,25 @@ def test_verify_counts_the_samples_read_before_a_bad_name(tmp_path):
     r = ember("verify", str(path), "-q")
     assert r.returncode == 1
     assert "0 of 1 shards ok, 2 samples read, 1 corrupt" in r.stdout.decode()
+
+
+def test_the_create_progress_bar_ends_full_when_an_image_is_bad(images, tmp_path):
+    (images / "b" / "i1.png").write_bytes(b"not a png")
+    r = ember("create", str(images), "-o", str(tmp_path / "o" / "s-%03d.tar"), "--skip-bad")
+    assert r.returncode == 0, r.stderr
+    bars = [x for x in r.stderr.decode().replace("\r", "\n").splitlines() if "sample" in x
+            and "/" in x]
+    assert bars and "4/4" in bars[-1] and "100%" in bars[-1], bars
+
+
+def test_merge_refuses_inputs_of_which_only_some_have_classes_json(images, tmp_path):
+    r = ember("create", str(images), "-o", str(tmp_path / "c" / "s-%03d.tar"), "-q")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "plain").mkdir()
+    plain = _shard(tmp_path / "plain")  # shards without a classes.json beside them
+    for urls in ([str(tmp_path / "c" / "s-000.tar"), plain],
+                 [plain, str(tmp_path / "c" / "s-000.tar")]):
+        r = ember("merge", *urls, "-o", str(tmp_path / "m" / "m-%03d.tar"), "-q")
+        line = one_error_line(r, "merge")
+        assert "classes.json" in line and str(tmp_path / "plain") in line
+        assert not (tmp_path / "m").exists()

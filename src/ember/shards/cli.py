@@ -605,18 +605,26 @@ def _write_all(args, urls: list[str], samples, join: bool = False,
 
 def _carried_classes(args, urls: list[str]) -> dict[str, bytes] | None:
     """The ``classes.json`` beside the input shards, to be written beside -o's shards too; None
-    where there is none. Inputs whose files name other classes are refused."""
+    where there is none. Inputs whose files name other classes, or of which only some have one,
+    are refused."""
     options = _options(args)
     found: dict[str, bytes] = {}  # folder -> classes.json
+    without: list[str] = []  # folders without one
     for url in urls:
         if url == "-":
             continue
         folder = url.rsplit("/", 1)[0] if local_path(url) is None else \
             os.path.dirname(os.path.abspath(local_path(url) or ""))
-        if folder not in found:
+        if folder not in found and folder not in without:
             data = file_beside(url, "classes.json", options)
             if data is not None:
                 found[folder] = data
+            else:
+                without.append(folder)
+    if found and without:
+        raise ValueError(f"the input shards in {next(iter(found))} have a classes.json, those in "
+                         f"{without[0]} have none: the labels of the output would name classes "
+                         "for some samples only; give all the inputs one classes.json, or none")
     kinds = sorted(set(found.values()))
     if len(kinds) > 1:
         where = [f for f, d in found.items() if d != kinds[0]][0]
@@ -1071,10 +1079,9 @@ def _create(args) -> int:
     bad: list[str] | None = [] if args.skip_bad else None
     if src == "-":  # a tar stream on standard input, named as from a folder
         found = _Found()
-        samples = _checked_images(_stream_samples(sys.stdin.buffer, found), "standard input",
-                                  bad)
-        with _progress(samples, args, unit="sample") as bar:
-            code = _write_all(args, ["-"], bar, join=True)
+        with _progress(_stream_samples(sys.stdin.buffer, found), args, unit="sample") as bar:
+            code = _write_all(args, ["-"], _checked_images(bar, "standard input", bad),
+                              join=True)
         _say_left_out(found, members=True)
         _say_bad(bad or [])
         return code
@@ -1087,8 +1094,8 @@ def _create(args) -> int:
         samples = _list_samples(src)
     else:
         samples, total, extra = _folder_source(args, src, bad)
-    with _progress(_checked_images(samples, src, bad), args, unit="sample", total=total) as bar:
-        code = _write_all(args, [], bar, extra=extra)
+    with _progress(samples, args, unit="sample", total=total) as bar:  # bad ones counted too
+        code = _write_all(args, [], _checked_images(bar, src, bad), extra=extra)
     _say_bad(bad or [])
     return code
 
