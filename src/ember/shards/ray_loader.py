@@ -478,14 +478,7 @@ class RayShardLoader:
         self._last_errors = None
         self._on_error = _ErrorPolicy(ds.on_error)
         mine, quota, sizes = self._plan(epoch, rank, world)
-        batch = None
-        per_sample = ds.stages
-        partial = True
-        last = cast(Any, ds.stages[-1]) if ds.stages else None
-        if last is not None and last.ray_scope == "final":  # a batching stage (_check_pipeline)
-            batch = (last.batchsize, last.collation_fn)
-            partial = last.partial
-            per_sample = ds.stages[:-1]
+        per_sample, batch, partial = _final_batch(ds.stages)
         spec = _Spec(urls=ds.urls, options=ds.options, stages=per_sample, batch=batch,
                      seed=ds.seed, generator=ds.generator, raise_errors=ds.on_error == "raise",
                      group=self.transfer_group)
@@ -703,6 +696,16 @@ def _check_pipeline(ds: ShardDataset) -> None:
             finals = [c.name for c in stages.REGISTRY.values() if c.ray_scope == "final"]
             raise ValueError(f"RayShardLoader does not run the {stage.name!r} stage (stages it "
                              f"runs: {', '.join(runs + finals)})")
+
+
+def _final_batch(pipeline: list[stages.Stage]
+                 ) -> tuple[list[stages.Stage], tuple[int, Callable | None] | None, bool]:
+    """The stages a task runs per sample, and the final batching stage's ``(batchsize,
+    collation_fn)`` (None without one) and ``partial``."""
+    last = cast(Any, pipeline[-1]) if pipeline else None
+    if last is None or last.ray_scope != "final":
+        return pipeline, None, True
+    return pipeline[:-1], (last.batchsize, last.collation_fn), last.partial  # _check_final
 
 
 def _check_final(stage: stages.Stage) -> None:
