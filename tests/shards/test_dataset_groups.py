@@ -200,3 +200,25 @@ def test_error_counts_with_groups(make_shards, tmp_path):
     got = _keys(loader)
     assert set(got) >= set(keys[:10]) | set(keys[15:])
     assert loader.error_count == 1
+
+
+def test_a_user_final_scope_stage_sends_its_batches_one_at_a_time(make_shards):
+    from ember.shards import stages as stage_module
+
+    class _Groups(stage_module.Stage):
+        name = "groups_for_group_test"
+        ray_scope = "final"
+
+        def __init__(self, size: int):
+            self.batchsize, self.collation_fn, self.partial = size, None, True
+
+        def apply(self, src, ctx, index):
+            return stage_module.batched(src, self.batchsize, ctx.collate(None), True)
+
+    pattern, _ = make_shards(2, 4)
+    try:
+        ds = ShardDataset(pattern).groups_for_group_test(3)
+        assert ShardLoader(ds, num_workers=2).transfer_group == 1
+    finally:
+        stage_module.REGISTRY.pop("groups_for_group_test", None)
+        delattr(ShardDataset, "groups_for_group_test")

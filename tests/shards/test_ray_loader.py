@@ -466,3 +466,28 @@ def test_a_scheme_registered_in_the_driver_reaches_the_workers(cluster, shards, 
     _, urls, keys = shards
     ds = ShardDataset([f"ray-test:{u}" for u in urls], seed=7).to_tuple("__key__ cls")
     assert sorted(_keys(RayShardLoader(ds))) == keys
+
+
+def test_a_user_final_scope_stage_is_batched_across_shards_as_batched_is(cluster, shards):
+    from ember.shards import stages as stage_module
+
+    class _Groups(stage_module.Stage):
+        name = "groups_for_test"
+        ray_scope = "final"
+
+        def __init__(self, size: int):
+            self.batchsize, self.collation_fn, self.partial = size, None, True
+
+        def apply(self, src, ctx, index):
+            return stage_module.batched(src, self.batchsize, ctx.collate(None), True)
+
+    pattern, _, keys = shards
+    try:
+        ds = ShardDataset(pattern, seed=3).to_tuple("__key__ cls").groups_for_test(5)
+        batches = list(RayShardLoader(ds))
+        # a shard holds 8 samples: a per-shard stage would give batches of 5 and 3
+        assert [len(b) for b in batches[:-1]] == [5] * (len(batches) - 1)
+        assert sorted(k for b in batches for k, _ in b) == keys
+    finally:
+        stage_module.REGISTRY.pop("groups_for_test", None)
+        delattr(ShardDataset, "groups_for_test")

@@ -82,3 +82,18 @@ def test_without_ray_a_clear_error(tmp_path, monkeypatch, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "ember train: error: --ray-address: RayShardLoader needs Ray" in err
+
+
+def test_a_final_scope_stage_must_say_how_it_batches(tmp_path):
+    from ember.shards import stages as stage_module
+
+    class _Vague(stage_module.Stage):
+        name = "vague_final_for_test"
+        ray_scope = "final"
+
+    try:
+        with pytest.raises(ValueError, match="vague_final_for_test.*batchsize"):
+            RayShardLoader(ShardDataset(str(tmp_path / "x.tar")).vague_final_for_test())
+    finally:
+        stage_module.REGISTRY.pop("vague_final_for_test", None)
+        delattr(ShardDataset, "vague_final_for_test")

@@ -144,3 +144,56 @@ def test_extract_keys_resumes_exactly_through_indexes(tmp_path):
         again = make()
         again.load_state_dict(state)
         assert head + list(again) == full
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_user_stage_that_reads_its_items_resumes_exactly_over_indexed_shards(
+        make_shards, stop_and_resume, num_workers):
+    """A Stage subclass declares nothing about its items: it is taken to read them, so a
+    resumed stream never hands it the placeholders of the index-based seek."""
+    from ember.shards import ShardDataset
+    from ember.shards import stages as stage_module
+
+    class _Both(stage_module.Stage):
+        name = "both_halves_for_test"
+
+        def apply(self, src, ctx, index):
+            for sample in src:
+                yield sample["__key__"] + "/1"
+                yield sample["__key__"] + "/2"
+
+    try:
+        pattern, _ = make_shards(4, 9, index=True)
+        make = lambda: ShardDataset(pattern, seed=1, nodesplitter=None).shuffle(5) \
+            .both_halves_for_test()
+        from ember.shards import ShardLoader
+
+        full = list(ShardLoader(make(), num_workers=num_workers))
+        assert len(full) == 72
+        for stop in (1, 13, 40):
+            head, rest, _, _ = stop_and_resume(make, num_workers, stop)
+            assert head + rest == full
+    finally:
+        stage_module.REGISTRY.pop("both_halves_for_test", None)
+        delattr(ShardDataset, "both_halves_for_test")
+
+
+def test_built_in_stages_that_never_read_items_keep_the_index_based_resume():
+    from ember.shards import stages as stage_module
+
+    count_free = [stage_module.Shuffle(4), stage_module.RSample(0.5), stage_module.Slice(3),
+                  stage_module.Batched(2), stage_module.Unbatched(),
+                  stage_module.Map(len), stage_module.MapDict({"a": len}),
+                  stage_module.MapTuple((len,)), stage_module.Rename({"a": "b"}),
+                  stage_module.ToTuple(("a",)), stage_module.ExtractKeys.build("a"),
+                  stage_module.Decode(dict)]
+    assert [s.name for s in count_free if s.counts_depend_on_content("raise")] == []
+    reads = [stage_module.Select(bool), stage_module.Map(len, handler=bool),
+             stage_module.Decode(dict, handler=bool)]
+    assert all(s.counts_depend_on_content("raise") for s in reads)
+    assert stage_module.Decode(dict).counts_depend_on_content("skip")
+
+    class _Plain(stage_module.Stage):
+        pass
+
+    assert _Plain().counts_depend_on_content("raise")

@@ -101,3 +101,15 @@ def test_index_scan_verify_and_split_report_unsafe_names(tmp_path):
     r = ember("split", str(path), "-o", str(tmp_path / "out" / "o-%03d.tar"))
     assert r.returncode != 0 and "unsafe" in r.stderr.decode()
     assert list((tmp_path / "out").glob("*.tar")) == []
+
+
+@pytest.mark.parametrize(("key", "ext"), [("a\0b", "txt"), ("a\0", "txt"), ("k", "t\0xt"),
+                                          ("d\0/k", "txt")])
+def test_the_writer_refuses_a_nul_in_a_key_or_extension(tmp_path, key, ext):
+    # a tar header ends a name at its first NUL: neither reader gives the field back as written
+    path = tmp_path / "raw.tar"
+    path.write_bytes(tar_bytes([(f"{key}.{ext}", b"v"), ("c.txt", b"w")]))
+    for samples in (_wds_samples(path), _ember_samples(path)):
+        assert (key, ext) not in [(s["__key__"], f) for s in samples for f in s]
+    with TarWriter(str(tmp_path / "s.tar")) as w, pytest.raises(FormatError, match="NUL"):
+        w.write({"__key__": key, ext: b"v"})

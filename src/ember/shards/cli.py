@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from ember.shards.dataset import ShardDataset
 from ember.shards.decode import IMAGE_EXTENSIONS, MAX_PIXELS
 from ember.shards.errors import ShardError
-from ember.shards.format import is_metadata
+from ember.shards.format import group_samples, is_metadata, split_name
 from ember.shards.index import (
     INDEX_SUFFIX,
     build_index,
@@ -36,6 +37,7 @@ from ember.shards.index import (
     write_index,
 )
 from ember.shards.reading import _samples, iter_shard
+from ember.shards.tar import iter_members, open_tar_source
 from ember.shards.urls import UrlOptions, expand_urls, file_beside, local_path
 from ember.shards.writer import ShardWriter, TarWriter, shard_path
 
@@ -129,6 +131,10 @@ def _cat(args) -> int:
     if args.n is not None and args.n < 0:
         raise ValueError(f"-n must be >= 0, got {args.n}")
     if args.tar:
+        listing = [f for f, on in (("--json", args.json), ("--values", args.values)) if on]
+        if listing:
+            raise ValueError(f"--tar writes the samples as a tar stream, {listing[0]} formats "
+                             "the listing: pass one of them")
         return _cat_tar(args)
     left = args.n
     for url in _urls(args):
@@ -223,10 +229,13 @@ def _verify(args) -> int:
     bad = samples = bad_indexes = 0
     with _progress(urls, args) as bar:
         for url in bar:
+            keys: list[str] = []
             try:
-                keys = [s["__key__"] for s in _read(url, _options(args))]
+                for s in _read(url, _options(args)):
+                    keys.append(s["__key__"])
             except ShardError as exc:
                 bad += 1
+                samples += len(keys)  # those read before the error
                 print(f"CORRUPT {exc}")
                 continue
             samples += len(keys)
@@ -271,11 +280,14 @@ def _check_output(pattern: str, urls: list[str]) -> None:
 def _post(command: str | None) -> Callable[[str], None] | None:
     """``--post CMD``: run CMD (no shell; ``{}`` replaced by the shard's path, else the path is
     appended) on each finished shard; a failure stops the command."""
-    if not command:
+    if command is None:
         return None
     argv = shlex.split(command)
     if not argv:
         raise ValueError("--post needs a command")
+    if shutil.which(argv[0]) is None:
+        raise ValueError(f"--post: no program {argv[0]!r} found (on PATH, or as an executable "
+                         "file)")
 
     def run(path: str) -> None:
         args = [a.replace("{}", path) for a in argv] if any("{}" in a for a in argv) \
@@ -347,6 +359,8 @@ def _byte_size(text: str) -> int:
     value = float(m.group(1)) * _UNITS[unit]
     if value < 1:
         raise ValueError(f"--maxsize must be at least 1 byte, got {text!r}")
+    if not value < 2**63:  # infinity too (1e400)
+        raise ValueError(f"--maxsize must be below 2**63 bytes (8 EiB), got {text!r}")
     return int(value)
 
 
@@ -591,18 +605,26 @@ def _write_all(args, urls: list[str], samples, join: bool = False,
 
 def _carried_classes(args, urls: list[str]) -> dict[str, bytes] | None:
     """The ``classes.json`` beside the input shards, to be written beside -o's shards too; None
-    where there is none. Inputs whose files name other classes are refused."""
+    where there is none. Inputs whose files name other classes, or of which only some have one,
+    are refused."""
     options = _options(args)
     found: dict[str, bytes] = {}  # folder -> classes.json
+    without: list[str] = []  # folders without one
     for url in urls:
         if url == "-":
             continue
         folder = url.rsplit("/", 1)[0] if local_path(url) is None else \
             os.path.dirname(os.path.abspath(local_path(url) or ""))
-        if folder not in found:
+        if folder not in found and folder not in without:
             data = file_beside(url, "classes.json", options)
             if data is not None:
                 found[folder] = data
+            else:
+                without.append(folder)
+    if found and without:
+        raise ValueError(f"the input shards in {next(iter(found))} have a classes.json, those in "
+                         f"{without[0]} have none: the labels of the output would name classes "
+                         "for some samples only; give all the inputs one classes.json, or none")
     kinds = sorted(set(found.values()))
     if len(kinds) > 1:
         where = [f for f, d in found.items() if d != kinds[0]][0]
@@ -681,6 +703,8 @@ class _Found:
     hidden: list[str] = dataclasses.field(default_factory=list)  # name starting with '.'
     loops: list[str] = dataclasses.field(default_factory=list)  # symlinked folders walked already
     renamed: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, key)
+    special: list[str] = dataclasses.field(default_factory=list)  # FIFOs, devices, sockets
+    broken: list[str] = dataclasses.field(default_factory=list)  # "path: why it cannot be read"
     empty: list[str] = dataclasses.field(default_factory=list)  # class folders without images
 
 
@@ -731,6 +755,30 @@ def _class_prefix(name: str, classes: list[str]) -> str:
     return name[1:]
 
 
+def _unreadable(path: str) -> str | None:
+    """Why the file at ``path`` cannot be read as an image file (a broken or looping symlink, a
+    FIFO, device or socket), or None; the file is not opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        link = "a broken symlink" if os.path.islink(path) else "cannot be read"
+        return f"{link} ({exc.strerror})"
+    return None if stat.S_ISREG(mode) else _NOT_REGULAR
+
+
+_NOT_REGULAR = "not a regular file"
+
+
+def _read_regular(path: str) -> bytes:
+    """The bytes of the regular file ``path``; anything else (a FIFO, whose opening would wait
+    for a writer, a device, a socket) is refused without waiting."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: {_NOT_REGULAR} (a FIFO, device or socket)")
+        return f.read()
+
+
 def _class_keys(index: int, name: str, prefix: str, entries: list[tuple[str, str, str]],
                 found: _Found) -> None:
     """Add the images among ``entries`` (of class folder ``name``) to ``found`` with their keys."""
@@ -739,6 +787,13 @@ def _class_keys(index: int, name: str, prefix: str, entries: list[tuple[str, str
         stem, dot, ext = fname.rpartition(".")
         if not (dot and stem and ext.lower() in IMAGE_EXTENSIONS):
             found.skipped.append(path)
+            continue
+        why = _unreadable(path)
+        if why == _NOT_REGULAR:
+            found.special.append(path)
+            continue
+        if why is not None:
+            found.broken.append(f"{path}: {why}")
             continue
         head = f"{prefix}/{rel}/" if rel else f"{prefix}/"
         plain.setdefault(head + stem.replace(".", "_"), []).append((fname, ext, path))
@@ -790,29 +845,32 @@ def _folder_images(root: str, classes: list[str]) -> _Found:
 
 def _folder_samples(images: list[tuple[int, str, str, str]]):
     for index, _name, key, path in images:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = _read_regular(path)
         ext = path.rpartition(".")[2].lower()
         yield {"__key__": key, ext: data, "cls": str(index).encode(), "__path__": path}
 
 
-def _say_left_out(found: _Found) -> None:
+def _say_left_out(found: _Found, members: bool = False) -> None:
     """One line for the files left out (hidden, or not an image), one for the symlinked folders
-    walked already, and one for keys that differ from file names."""
-    skipped, hidden, renamed = found.skipped, found.hidden, found.renamed
-    if skipped or hidden:
-        n = len(skipped) + len(hidden)
+    walked already, and one for keys that differ from file names (``members``: the names are
+    those of a tar stream's files, not paths)."""
+    skipped, hidden, renamed, special = found.skipped, found.hidden, found.renamed, found.special
+    if skipped or hidden or special:
+        n = len(skipped) + len(hidden) + len(special)
         why = []
         if hidden:
             why.append(f"{len(hidden)} hidden (name starting with '.')")
         if skipped:
             why.append(f"{len(skipped)} not an image by {'its' if len(skipped) == 1 else 'their'}"
                        " extension")
+        if special:
+            why.append(f"{len(special)} {_NOT_REGULAR}{'s' * (len(special) != 1)} (a FIFO, "
+                       "device or socket, never opened)")
         noun = "file or folder" if n == 1 else "files or folders"
-        if not any(os.path.isdir(p) for p in hidden):
+        if members or not any(os.path.isdir(p) for p in hidden):
             noun = "file" if n == 1 else "files"
         print(f"ember shards create: left out {n} {noun}: "
-              f"{', '.join(why)} (first: {(hidden or skipped)[0]})", file=sys.stderr)
+              f"{', '.join(why)} (first: {(hidden or skipped or special)[0]})", file=sys.stderr)
     if found.loops:
         n = len(found.loops)
         print(f"ember shards create: left out {n} symlinked folder{'s' * (n != 1)} already walked "
@@ -875,7 +933,7 @@ def _checked_images(samples, source: str, bad: list[str] | None = None):
 def _say_bad(bad: list[str]) -> None:
     if bad:
         n = len(bad)
-        print(f"ember shards create: left out {n} bad image{'s' * (n != 1)} (--skip-bad): "
+        print(f"ember shards create: left out {n} bad image file{'s' * (n != 1)} (--skip-bad): "
               + "; ".join(bad), file=sys.stderr)
 
 
@@ -896,8 +954,7 @@ def _list_samples(list_file: str):
         if not dot or not stem:
             raise ValueError(f"{list_file}: {name!r} has no extension to name its field")
         key = f"{folder}/{stem}" if folder else stem
-        with open(os.path.join(base, name), "rb") as f:
-            data = f.read()
+        data = _read_regular(os.path.join(base, name))
         if current is not None and current["__key__"] == key:
             if ext in current:
                 raise ValueError(f"{list_file}: {name!r} is listed twice")
@@ -933,9 +990,10 @@ def _classes_file(args, data: bytes) -> dict[str, bytes]:
     return {path: data}
 
 
-def _folder_source(args, src: str):
+def _folder_source(args, src: str, bad: list[str] | None):
     """The samples of an ImageFolder ``src`` (shuffled unless --no-shuffle), their number and
-    the classes.json to write beside them."""
+    the classes.json to write beside them. A file that cannot be read (a broken symlink) stops
+    the command, or with ``bad`` (--skip-bad) is listed there."""
     if not os.path.isdir(src):
         raise ValueError(f"{src} is not a folder (ImageFolder layout: one subfolder per "
                          "class); use --list for a file of paths, or '-' for a tar stream on "
@@ -948,22 +1006,83 @@ def _folder_source(args, src: str):
     extra = _classes_file(args, json.dumps({"classes": classes}).encode("utf-8"))
     found = _folder_images(src, classes)
     found.hidden[:0] = [os.path.join(src, e) for e in tops if _hidden(e)]
+    if found.broken and bad is None:
+        raise ValueError(f"{found.broken[0]}; remove it, or fix it, and run again (or pass "
+                         "--skip-bad)")
     _say_left_out(found)
+    if bad is not None:
+        bad.extend(found.broken)
     images = found.images
     if not args.no_shuffle:  # else a shard holds one or two classes, in folder order
-        g = torch.Generator().manual_seed(args.seed)
+        g = torch.Generator().manual_seed(0 if args.seed is None else args.seed)
         images = [images[i] for i in torch.randperm(len(images), generator=g).tolist()]
     return _folder_samples(images), len(images), extra
 
 
+def _stream_members(members, found: _Found):
+    """The members of a tar stream as ``create FOLDER`` would name them: without a leading
+    ``./``, hidden files and folders left out (in ``found.hidden``), and a first path part that
+    webdataset reserves (``__background__``) without its first ``_`` (in ``found.renamed``)."""
+    plain: set[str] = set()  # first path parts as they are
+    moved: dict[str, str] = {}  # reserved first path part -> the one written
+    for name, data, offset in members:
+        while name.startswith("./"):
+            name = name[2:]
+        if not name:
+            continue
+        if any(_hidden(part) for part in name.split("/")):
+            found.hidden.append(name)
+            continue
+        first = name.split("/", 1)[0]
+        if is_metadata(name):
+            original, name = name, first[1:] + name[len(first):]
+            moved[first] = first[1:]
+            key = (split_name(name) or (name, ""))[0]
+            if not found.renamed or found.renamed[-1][1] != key:  # one entry per sample
+                found.renamed.append((original, key))
+        else:
+            plain.add(first)
+        clash = [m for m, n in moved.items() if n in plain]
+        if clash:
+            raise ValueError(f"class folders {clash[0]!r} and {moved[clash[0]]!r} both exist: "
+                             f"webdataset skips members under {clash[0]}/, and keys under "
+                             f"{moved[clash[0]]}/ are taken; rename one of them")
+        yield name, data, offset
+
+
+def _stream_samples(stream, found: _Found):
+    """The samples of a tar stream (standard input), named as :func:`_stream_members` says."""
+    src = open_tar_source(stream, "-")
+    try:
+        yield from group_samples(_stream_members(iter_members(src, "-"), found), "-")
+    finally:
+        src.close()
+
+
+def _check_order_flags(args) -> None:
+    """Refuse --seed and --no-shuffle where they cannot mean anything."""
+    if args.source == "-" or args.list:
+        given = "--seed" if args.seed is not None else "--no-shuffle" if args.no_shuffle else None
+        if given is not None:
+            raise ValueError(f"{given} orders the samples of a folder; "
+                             f"{'a list' if args.list else 'a stream'} is written in its own "
+                             "order")
+    elif args.no_shuffle and args.seed is not None:
+        raise ValueError("--seed sets the shuffled order and --no-shuffle keeps folder order: "
+                         "pass one of them")
+
+
 def _create(args) -> int:
     src = args.source
+    _check_order_flags(args)
     _check_write_flags(args, [])
     bad: list[str] | None = [] if args.skip_bad else None
-    if src == "-":  # a tar stream on standard input: what `split -` does
-        samples = _checked_images(_read("-"), "standard input", bad)
-        with _progress(samples, args, unit="sample") as bar:
-            code = _write_all(args, ["-"], bar, join=True)
+    if src == "-":  # a tar stream on standard input, named as from a folder
+        found = _Found()
+        with _progress(_stream_samples(sys.stdin.buffer, found), args, unit="sample") as bar:
+            code = _write_all(args, ["-"], _checked_images(bar, "standard input", bad),
+                              join=True)
+        _say_left_out(found, members=True)
         _say_bad(bad or [])
         return code
     extra = None
@@ -974,9 +1093,9 @@ def _create(args) -> int:
         _check_overwrite(args)  # refused before anything is said or read
         samples = _list_samples(src)
     else:
-        samples, total, extra = _folder_source(args, src)
-    with _progress(_checked_images(samples, src, bad), args, unit="sample", total=total) as bar:
-        code = _write_all(args, [], bar, extra=extra)
+        samples, total, extra = _folder_source(args, src, bad)
+    with _progress(samples, args, unit="sample", total=total) as bar:  # bad ones counted too
+        code = _write_all(args, [], _checked_images(bar, src, bad), extra=extra)
     _say_bad(bad or [])
     return code
 
@@ -1004,6 +1123,20 @@ def _any_outputs(pattern: str) -> bool:
         return False
 
 
+def _quiet_stdout() -> None:
+    """Point standard output at the null device, so that nothing more (the flush at the exit)
+    is written into a pipe that was closed."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file (tests swap it for a buffer)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 def _guarded(name: str, fn: Callable) -> Callable:
     """Run ``fn(args)``, turning bad input (a shard error, a bad argument) into a one-line
     message and exit status 2 instead of a traceback."""
@@ -1011,7 +1144,12 @@ def _guarded(name: str, fn: Callable) -> Callable:
     def run(args) -> int:
         try:
             with _stop_signals_raise():
-                return fn(args)
+                code = fn(args)
+                sys.stdout.flush()  # a closed pipe is found here, not at the exit
+                return code
+        except BrokenPipeError:  # `ember shards cat ... | head`: quiet, as Unix tools are
+            _quiet_stdout()
+            return 128 + getattr(signal, "SIGPIPE", 13)
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: one line, the signal's status
             if name not in _WRITERS:
                 what = ""
@@ -1085,7 +1223,7 @@ def register(subparsers) -> None:
                            "all are written, checked and in place ({} is its path; e.g. 'aws s3 "
                            "cp {} s3://bucket/'); a failure stops and puts the old files back")
         if name == "create":
-            q.add_argument("--seed", type=int, default=0, help="seed of the order of the "
+            q.add_argument("--seed", type=int, default=None, help="seed of the order of the "
                            "samples of a folder, shuffled over the shards (default: 0)")
             q.add_argument("--no-shuffle", action="store_true", help="keep a folder's samples "
                            "in folder order (each shard then holds one or two classes)")

@@ -72,6 +72,9 @@ def check_sample_names(key: Any, exts: Iterable[str]) -> None:
     in ember and in webdataset, naming the rule broken."""
     if not isinstance(key, str) or not key:
         raise FormatError(f"sample key must be a non-empty string, got {key!r}")
+    if "\0" in key:
+        raise FormatError(f"sample key {key!r} holds a NUL character: a tar header ends the "
+                          "member name there, so no reader would give the sample back")
     last = key[key.rfind("/") + 1 :]
     if "." in last:
         raise FormatError(
@@ -84,10 +87,10 @@ def check_sample_names(key: Any, exts: Iterable[str]) -> None:
         raise FormatError(f"sample key {key!r} is unsafe ({why}): readers refuse such names, "
                           "and extracting them writes outside the target folder")
     for ext in exts:
-        if not ext or ext != ext.lower() or ext.startswith("__") or "/" in ext:
+        if not ext or ext != ext.lower() or ext.startswith("__") or "/" in ext or "\0" in ext:
             raise FormatError(
                 f"extension {ext!r} of sample {key!r} must be non-empty, lower-case, without '/' "
-                "and not start with '__'"
+                "or a NUL character, and not start with '__'"
             )
         if is_metadata(member_name(key, ext)):
             raise FormatError(

@@ -89,7 +89,7 @@ class ShardLoader:
             self.transfer_group = 1  # nothing to transfer
         elif transfer_group is not None:
             self.transfer_group = transfer_group
-        elif any(isinstance(stage, stages.Batched) for stage in dataset.stages):
+        elif any(stage.ray_scope == "final" for stage in dataset.stages):  # batches go alone
             self.transfer_group = 1
         else:
             self.transfer_group = DEFAULT_TRANSFER_GROUP

@@ -479,14 +479,7 @@ class RayShardLoader:
         self._last_errors = None
         self._on_error = _ErrorPolicy(ds.on_error)
         mine, quota, sizes = self._plan(epoch, rank, world)
-        batch = None
-        per_sample = ds.stages
-        partial = True
-        last = ds.stages[-1] if ds.stages else None
-        if isinstance(last, stages.Batched):
-            batch = (last.batchsize, last.collation_fn)
-            partial = last.partial
-            per_sample = ds.stages[:-1]
+        per_sample, batch, partial = _final_batch(ds.stages)
         spec = _Spec(urls=ds.urls, options=ds.options, stages=per_sample, batch=batch,
                      seed=ds.seed, generator=ds.generator, raise_errors=ds.on_error == "raise",
                      group=self.transfer_group, openers=ds.openers)
@@ -693,6 +686,7 @@ def _check_pipeline(ds: ShardDataset) -> None:
                              "ranks by ember's plan)")
     for j, stage in enumerate(ds.stages):
         if stage.ray_scope == "final":
+            _check_final(stage)
             if j != len(ds.stages) - 1:
                 raise ValueError(f"RayShardLoader needs {stage.name}(n) as the last stage, got "
                                  f"{ds.stages[j + 1].name!r} after it (map the items before "
@@ -703,3 +697,25 @@ def _check_pipeline(ds: ShardDataset) -> None:
             finals = [c.name for c in stages.REGISTRY.values() if c.ray_scope == "final"]
             raise ValueError(f"RayShardLoader does not run the {stage.name!r} stage (stages it "
                              f"runs: {', '.join(runs + finals)})")
+
+
+def _final_batch(pipeline: list[stages.Stage]
+                 ) -> tuple[list[stages.Stage], tuple[int, Callable | None] | None, bool]:
+    """The stages a task runs per sample, and the final batching stage's ``(batchsize,
+    collation_fn)`` (None without one) and ``partial``."""
+    last = cast(Any, pipeline[-1]) if pipeline else None
+    if last is None or last.ray_scope != "final":
+        return pipeline, None, True
+    return pipeline[:-1], (last.batchsize, last.collation_fn), last.partial  # _check_final
+
+
+def _check_final(stage: stages.Stage) -> None:
+    """Refuse a final-scope stage that does not say how it batches (tasks cut full batches of
+    ``batchsize`` collated by ``collation_fn``; the trainer batches the rest, the last one short
+    if ``partial``)."""
+    size = getattr(stage, "batchsize", None)
+    missing = [a for a in ("collation_fn", "partial") if not hasattr(stage, a)]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or missing:
+        raise ValueError(f"RayShardLoader runs the final-scope stage {stage.name!r} as a batching "
+                         "stage: it needs the attributes batchsize (a whole number >= 1), "
+                         "collation_fn and partial")

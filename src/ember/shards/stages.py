@@ -305,8 +305,10 @@ class Stage:
     Class attributes: ``name`` (the fluent method), ``one_to_one`` (each item in gives at most
     one item out, at once: such a stage runs item by item, around the placeholders of a resumed
     stream), ``draws`` (draws random numbers: it gets a generator per stream and stage),
-    ``ray_scope`` (``"shard"``: a Ray task runs it over its one shard's items; ``"final"``: as
-    the last stage, Ray tasks cut their shard's part and the trainer the rest; None: not on Ray),
+    ``ray_scope`` (``"shard"``: a Ray task runs it over its one shard's items; ``"final"``: a
+    batching stage with ``batchsize``, ``collation_fn`` and ``partial`` attributes: as the last
+    stage, Ray tasks cut their shard's full batches and the trainer the rest, and ShardLoader's
+    workers send its batches one at a time; None: not on Ray),
     ``loader_level`` (it also runs in ShardLoader's main process, with a state of its own:
     :meth:`runner`), ``dataset_level`` (it runs in a dataset's reading streams), ``errors``
     (``"handler"``: exceptions go to ``handler=`` if given; ``"on_error"``: decode errors go to
@@ -336,8 +338,10 @@ class Stage:
 
     def counts_depend_on_content(self, on_error: Any) -> bool:
         """Whether how many items this stage yields, and from which inputs, depends on what the
-        items hold (so a resumed stream cannot be laid out from sample counts alone)."""
-        return self.handler is not None
+        items hold, or whether the stage reads items that are not one-to-one (so a resumed
+        stream cannot be laid out from sample counts alone, with placeholders for the items
+        delivered). True unless a stage says otherwise: a stage is taken to read its items."""
+        return True
 
     def run(self, src: Iterator, ctx: StageContext, index: int) -> Iterator:
         """The stage over ``src``, as stage ``index`` of a pipeline run by ``ctx``."""
@@ -362,6 +366,15 @@ class Stage:
         return [x for x in vars(self).values() if callable(x)]
 
 
+class _CountFree(Stage):
+    """A built-in stage whose item counts follow from the counts of its inputs alone (one-to-one
+    stages run around placeholders, the others never look at their items), unless a handler
+    skips items."""
+
+    def counts_depend_on_content(self, on_error: Any) -> bool:
+        return self.handler is not None
+
+
 def _check_handler(handler: Callable[[Exception], Any] | None) -> Callable | None:
     if handler is not None and not callable(handler):
         raise TypeError(f"expected handler= to be None or a callable taking the exception "
@@ -369,7 +382,7 @@ def _check_handler(handler: Callable[[Exception], Any] | None) -> Callable | Non
     return handler
 
 
-class Shuffle(Stage):
+class Shuffle(_CountFree):
     """Shuffle through a buffer of ``bufsize`` items (dataset level: once ``initial`` are
     buffered; loader level: across workers, its buffer in the loader's state)."""
 
@@ -397,7 +410,7 @@ class Shuffle(Stage):
         return rebatch._Shuffle(self.bufsize, start)
 
 
-class RSample(Stage):
+class RSample(_CountFree):
     """Keep each item with probability ``p``."""
 
     name = "rsample"
@@ -412,7 +425,7 @@ class RSample(Stage):
         return rsample(src, self.p, ctx.draw(index))
 
 
-class Slice(Stage):
+class Slice(_CountFree):
     """``itertools.islice`` on each reading stream."""
 
     name = "slice"
@@ -432,7 +445,7 @@ class Slice(Stage):
         return islice_stream(src, self.start, self.stop, self.step)
 
 
-class Batched(Stage):
+class Batched(_CountFree):
     """Group items into batches of ``batchsize``, collated by ``collation_fn``."""
 
     name = "batched"
@@ -456,7 +469,7 @@ class Batched(Stage):
         return rebatch._Batch(self.batchsize, self.collation_fn, self.partial)
 
 
-class Unbatched(Stage):
+class Unbatched(_CountFree):
     """Split every item (a batch) into its items."""
 
     name = "unbatched"
@@ -473,7 +486,7 @@ class Unbatched(Stage):
         return rebatch._Unbatch()
 
 
-class Decode(Stage):
+class Decode(_CountFree):
     """Decode fields by extension (a Decoder); decode errors go to ``handler`` if given, else
     to the dataset's on_error."""
 
@@ -496,7 +509,7 @@ class Decode(Stage):
         return self.decoder
 
 
-class Map(Stage):
+class Map(_CountFree):
     """Apply ``fn`` to every item."""
 
     name = "map"
@@ -515,7 +528,7 @@ class Map(Stage):
         return self.fn
 
 
-class MapDict(Stage):
+class MapDict(_CountFree):
     """Apply ``fns[field]`` to those fields of every sample dict."""
 
     name = "map_dict"
@@ -534,7 +547,7 @@ class MapDict(Stage):
         return list(self.fns.values()) + super().callables()
 
 
-class MapTuple(Stage):
+class MapTuple(_CountFree):
     """Apply ``fns[i]`` to element ``i`` of every tuple item."""
 
     name = "map_tuple"
@@ -555,7 +568,7 @@ class MapTuple(Stage):
         return [f for f in self.fns if f is not None] + super().callables()
 
 
-class Rename(Stage):
+class Rename(_CountFree):
     """Rename fields, ``new="old1;old2"``."""
 
     name = "rename"
@@ -585,7 +598,7 @@ class Select(Stage):
         return select(src, self.predicate)
 
 
-class ToTuple(Stage):
+class ToTuple(_CountFree):
     """Turn sample dicts into tuples of fields."""
 
     name = "to_tuple"
@@ -602,7 +615,7 @@ class ToTuple(Stage):
         return to_tuple(src, self.fields, self.missing_ok)
 
 
-class ExtractKeys(Stage):
+class ExtractKeys(_CountFree):
     """Turn sample dicts into tuples of the fields whose names match glob patterns."""
 
     name = "extract_keys"

@@ -1,0 +1,118 @@
+"""``ember shards create`` on awkward inputs, through the ``ember`` entry point: a tar stream on
+standard input holding a class webdataset reserves and hidden members, links that lead nowhere
+or to themselves, and files that are not regular files."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+from test_cli_guards import ember, entry_point, one_error_line, png
+
+from ember.shards import iter_shard
+
+wds = pytest.importorskip("webdataset")
+
+
+def _folder(root, classes: dict[str, int]):
+    for name, count in classes.items():
+        (root / name).mkdir(parents=True)
+        for j in range(count):
+            (root / name / f"i{j}.png").write_bytes(png(4 + j, 3))
+    return root
+
+
+def _ember_waiting(*args: str, deadline: float = 120) -> subprocess.CompletedProcess:
+    """``ember shards ...`` in a fresh process, which must end within ``deadline`` seconds
+    (a run that waits on a FIFO never ends; a loaded machine needs seconds to start one)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.run([*entry_point(), "shards", *args], capture_output=True,
+                          timeout=deadline, env=env, stdin=subprocess.DEVNULL)
+
+
+def _keys(out_dir) -> list[str]:
+    return [s["__key__"] for p in sorted(out_dir.glob("*.tar")) for s in iter_shard(str(p))]
+
+
+def _tar_of(root, names: list[str], prefix: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name in names:
+            tar.add(str(root / name), arcname=prefix + name, recursive=False)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("prefix", ["", "./"])
+def test_a_stream_keeps_a_reserved_class_and_leaves_hidden_members_out(tmp_path, prefix):
+    root = _folder(tmp_path / "in", {"__background__": 3, "cat": 3})
+    (root / "cat" / "._i0.png").write_bytes(b"macOS resource fork")
+    (root / ".DS_Store").write_bytes(b"finder")
+    by_folder = ember("create", str(root), "-o", str(tmp_path / "f" / "s-%03d.tar"), "-q",
+                      "--no-shuffle")
+    assert by_folder.returncode == 0, by_folder.stderr
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
+              stdin=_tar_of(root, names, prefix))
+    assert r.returncode == 0, r.stderr
+    ours = _keys(tmp_path / "out")
+    assert sorted(ours) == sorted(_keys(tmp_path / "f"))  # the keys the folder path writes
+    assert len(ours) == 6
+    theirs = [s["__key__"] for s in wds.WebDataset(str(tmp_path / "out" / "s-000.tar"),
+                                                   shardshuffle=False)]
+    assert theirs == ours
+    err = r.stderr.decode().splitlines()
+    left_out = [x for x in err if "left out" in x]
+    assert len(left_out) == 1 and "2 hidden" in left_out[0], err
+    assert any("_background__" in x and "differ" in x for x in err), err
+
+
+def test_a_stream_with_both_a_reserved_class_and_its_new_name_is_refused(tmp_path):
+    root = _folder(tmp_path / "in", {"__background__": 1, "_background__": 1})
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
+              stdin=_tar_of(root, ["__background__/i0.png", "_background__/i0.png"], ""))
+    assert "__background__" in one_error_line(r, "create")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("link", ["nowhere.png", "self.png"])  # missing target; a loop (ELOOP)
+def test_a_broken_link_is_listed_with_skip_bad_and_stops_the_run_without(tmp_path, link):
+    root = _folder(tmp_path / "in", {"a": 2})
+    os.symlink(link, root / "a" / "self.png")
+    out = tmp_path / "out"
+    line = one_error_line(ember("create", str(root), "-o", str(out / "s-%03d.tar"), "-q"),
+                          "create")
+    assert str(root / "a" / "self.png") in line and "symlink" in line
+    assert not out.exists()
+    r = ember("create", str(root), "-o", str(out / "s-%03d.tar"), "-q", "--skip-bad")
+    assert r.returncode == 0, r.stderr
+    assert sorted(_keys(out)) == ["a/i0", "a/i1"]
+    summary = [x for x in r.stderr.decode().splitlines() if "bad" in x]
+    assert len(summary) == 1 and str(root / "a" / "self.png") in summary[0], summary
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("skip_bad", [[], ["--skip-bad"]])
+def test_a_fifo_named_like_an_image_is_left_out_unopened(tmp_path, skip_bad):
+    root = _folder(tmp_path / "in", {"a": 2})
+    os.mkfifo(root / "a" / "fifo.png")  # opening it for reading would wait for a writer
+    out = tmp_path / "out"
+    r = _ember_waiting("create", str(root), "-o", str(out / "s-%03d.tar"), "-q", *skip_bad)
+    assert r.returncode == 0, r.stderr
+    assert sorted(_keys(out)) == ["a/i0", "a/i1"]
+    note = [x for x in r.stderr.decode().splitlines() if "left out" in x]
+    assert len(note) == 1 and "not a regular file" in note[0], note
+    assert str(root / "a" / "fifo.png") in note[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_listed_fifo_is_refused_unopened(tmp_path):
+    root = _folder(tmp_path / "in", {"a": 1})
+    os.mkfifo(root / "a" / "fifo.png")
+    (root / "list.txt").write_text("a/i0.png\na/fifo.png\n")
+    r = _ember_waiting("create", "--list", str(root / "list.txt"), "-o",
+                       str(tmp_path / "o" / "s-%03d.tar"), "-q")
+    assert "not a regular file" in one_error_line(r, "create")
