@@ -70,6 +70,8 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     spec.check(method, t.dtype, params)
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
+    if type(t) is not torch.Tensor and type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        return _fill_subclass(t, generator, method, params)
     sampler = generator.sampler()
     if _functorch.is_functorch_wrapped_tensor(t):
         # inside torch.func.grad/jvp/...: the wrapper has no storage; draw into a plain tensor
@@ -103,6 +105,36 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     getattr(sampler, method)(tmp, *params)
     t.copy_(tmp)
     return t
+
+
+# what a tensor subclass without its own __torch_dispatch__ inherits
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+# the aten operator that draws each sampler method's values (randperm_ fills fresh tensors only)
+_ATEN_DRAWS = {d.method: d.tensor_method for d in spec.DISTRIBUTIONS if d.tensor_method}
+_ATEN_DRAWS["random_range_"] = "random_"
+
+
+def _fill_subclass(t: torch.Tensor, generator: Generator, method: str, params: tuple
+                   ) -> torch.Tensor:
+    """Fill a tensor subclass that dispatches its own operators (DTensor, a wrapper subclass whose
+    values live in inner tensors, MaskedTensor): its memory, if it has any, is not where its values
+    are. The values are drawn into a plain tensor and copied in through the subclass's copy_."""
+    op = _ATEN_DRAWS.get(method)
+    if op is not None:
+        # torch's own draw through the subclass, from a throwaway torch generator: it raises
+        # where the subclass refuses the draw (as torch does for ember's); copy_ then replaces
+        # every value it wrote
+        getattr(torch.ops.aten, op)(t, *params, generator=torch.Generator(device=t.device))
+    tmp = fill_(torch.empty(t.shape, dtype=t.dtype, device=t.device), generator, method, *params,
+                fresh=True)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        # every rank draws the whole tensor and keeps its own part of it
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        with implicit_replication():
+            return t.copy_(tmp)
+    return t.copy_(tmp)
 
 
 def _check_writable(t: Any, method: str, fresh: bool) -> bool:
@@ -723,6 +755,9 @@ _TORCH: dict[str, Callable[..., Any]] = {
     "_sample_dirichlet": _unsupported("torch._sample_dirichlet"),
     "rrelu": _unsupported("torch.rrelu"), "rrelu_": _unsupported("torch.rrelu_"),
 }
+# torch functions whose first argument is a tensor whose type's __torch_function__ sees the call
+_TENSOR_FIRST = frozenset({"rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
+                           "poisson"})
 _SPECIAL_METHODS = {"normal_": _normal_, "random_": _random_, "bernoulli_": _bernoulli_}
 _TENSOR = {
     d.tensor_method: _SPECIAL_METHODS.get(d.tensor_method)
@@ -739,7 +774,8 @@ def _wraps(original: Callable[..., Any]):
     return functools.wraps(original, updated=(), assigned=("__name__", "__doc__"))
 
 
-def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_generator: int = -1):
+def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_generator: int = -1,
+          tensor_first: bool = False):
     # Under torch.compile the draw runs eagerly at a graph break: the generator's stream is Python
     # state that a graph cannot hold, and the eager draw keeps compiled and eager output equal.
     # The disabled wrapper is made on first use: torch.compiler.disable imports torch._dynamo,
@@ -763,12 +799,33 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             return eager_impl(*args, **kwargs)
+        if tensor_first and args and type(args[0]) is not torch.Tensor and _own_torch_function(
+                args[0]):
+            # a subclass with its own __torch_function__ sees the call, as torch's methods do
+            return _handle_torch_function(wrapper, args[:1], *args, **kwargs)
         if _functorch.peek_interpreter_stack() is not None:
             return _under_transform(name, impl, args, kwargs)
         return _call(impl, args, kwargs)
 
     wrapper.__ember_original__ = original
     return wrapper
+
+
+_handle_torch_function = torch.overrides.handle_torch_function
+_PLAIN_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
+
+
+def _own_torch_function(x: Any) -> bool:
+    """Whether ``x``'s type defines its own ``__torch_function__`` (not Tensor's, nor disabled)
+    and it is not disabled now (inside it). A subclass that inherits Tensor's sees the draw's
+    operations as before, on subclass tensors."""
+    method = getattr(type(x), "__torch_function__", None)
+    impl = getattr(method, "__func__", None)
+    return (impl is not None and impl is not _PLAIN_TORCH_FUNCTION
+            and _has_torch_function_unary(x))
+
+
+_has_torch_function_unary = torch.overrides.has_torch_function_unary
 
 
 def install() -> None:
@@ -785,13 +842,13 @@ def install() -> None:
         if original is None or not patch.takes_generator(name, original):
             continue  # torch has no such call with a generator: it refuses ember's as any other
         _ORIGINALS[(torch, name)] = original
-        wrapper = _wrap(original, impl, 1 if name == "poisson" else -1)
+        wrapper = _wrap(original, impl, 1 if name == "poisson" else -1, name in _TENSOR_FIRST)
         setattr(torch, name, wrapper)
         _script_as_builtin(wrapper, original, name)
     for name, impl in _TENSOR.items():
         original = getattr(torch.Tensor, name)
         _ORIGINALS[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _INHERITED)
-        setattr(torch.Tensor, name, _wrap(original, impl))
+        setattr(torch.Tensor, name, _wrap(original, impl, tensor_first=True))
     if isinstance(base, set):  # the cached set itself: torch.compile keeps tracing torch's function
         _DEVICE_WRAPPERS.update(getattr(torch, n) for (m, n), o in _ORIGINALS.items()
                                 if m is torch and o in base)
