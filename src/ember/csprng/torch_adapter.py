@@ -783,10 +783,13 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     disabled: list[Callable[..., Any]] = []
     name = getattr(original, "__name__", "random function")
 
+    def untraced(*args: Any, **kwargs: Any) -> Any:
+        _refuse_tracing(name)  # torch.export traces here, as torch.compile does
+        return _call(impl, args, kwargs)
+
     def eager_impl(*args: Any, **kwargs: Any) -> Any:
         if not disabled:
-            disabled.append(torch.compiler.disable(
-                functools.partial(_eager, lambda *a, **k: _call(impl, a, k))))
+            disabled.append(torch.compiler.disable(functools.partial(_eager, untraced)))
         return disabled[0](*args, **kwargs)
     @_wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -799,6 +802,8 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             return eager_impl(*args, **kwargs)
+        if _jit_tracing() is not None or _dispatch_modes():
+            _refuse_tracing(name)
         if tensor_first and args and type(args[0]) is not torch.Tensor and _own_torch_function(
                 args[0]):
             # a subclass with its own __torch_function__ sees the call, as torch's methods do
@@ -811,6 +816,8 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     return wrapper
 
 
+_jit_tracing = patch.get("torch._C._get_tracing_state")
+_dispatch_modes = patch.get("torch._C._len_torch_dispatch_stack")
 _handle_torch_function = torch.overrides.handle_torch_function
 _PLAIN_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
 
@@ -826,6 +833,22 @@ def _own_torch_function(x: Any) -> bool:
 
 
 _has_torch_function_unary = torch.overrides.has_torch_function_unary
+
+
+def _refuse_tracing(name: str) -> None:
+    """Raise if torch.jit.trace, make_fx or torch.export is recording the call: the draw writes
+    through NumPy, which a trace cannot see, so the traced program would hold an empty tensor
+    where the draw was and return uninitialised memory as its noise."""
+    if _jit_tracing() is not None:
+        tracer = "torch.jit.trace"
+    elif patch.get("torch.fx.experimental.proxy_tensor.get_proxy_mode")() is not None:
+        tracer = "torch.export / make_fx"
+    else:
+        return  # another dispatch mode (FakeTensorMode, FlopCounterMode, ...): draws as usual
+    raise RuntimeError(
+        f"ember.csprng: {name} with an ember generator cannot be recorded by {tracer}: the traced "
+        "program would return uninitialised memory where the draw was. Draw outside the traced "
+        "function and pass the values in as an input (torch.compile runs ember draws eagerly)")
 
 
 def install() -> None:
