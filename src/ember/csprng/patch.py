@@ -93,7 +93,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("torch._library.fake_class_registry", "FakeScriptObject",
          "the placeholder generator torch.compile passes while it computes shapes", _is_class,
          required=False),
-    Hook("torch._C", "_get_tracing_state", "tells a torch.jit.trace in progress: draws refused"),
+    Hook("torch._C", "_is_tracing", "tells a torch.jit.trace in progress: draws refused"),
     Hook("torch._C", "_len_torch_dispatch_stack",
          "whether a dispatch mode runs (a tracer's among them), checked on every draw"),
     Hook("torch.fx.experimental.proxy_tensor", "get_proxy_mode",

@@ -802,7 +802,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             return eager_impl(*args, **kwargs)
-        if _jit_tracing() is not None or _dispatch_modes():
+        if _jit_tracing() or _dispatch_modes():
             _refuse_tracing(name)
         if tensor_first and args and type(args[0]) is not torch.Tensor and _own_torch_function(
                 args[0]):
@@ -816,7 +816,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     return wrapper
 
 
-_jit_tracing = patch.get("torch._C._get_tracing_state")
+_jit_tracing = patch.get("torch._C._is_tracing")
 _dispatch_modes = patch.get("torch._C._len_torch_dispatch_stack")
 _handle_torch_function = torch.overrides.handle_torch_function
 _PLAIN_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
@@ -839,7 +839,7 @@ def _refuse_tracing(name: str) -> None:
     """Raise if torch.jit.trace, make_fx or torch.export is recording the call: the draw writes
     through NumPy, which a trace cannot see, so the traced program would hold an empty tensor
     where the draw was and return uninitialised memory as its noise."""
-    if _jit_tracing() is not None:
+    if _jit_tracing():
         tracer = "torch.jit.trace"
     elif patch.get("torch.fx.experimental.proxy_tensor.get_proxy_mode")() is not None:
         tracer = "torch.export / make_fx"
