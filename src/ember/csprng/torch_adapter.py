@@ -67,7 +67,13 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     checks and no version bump are needed.
     """
     bump = _check_writable(t, method, fresh)
-    spec.check(method, t.dtype, params)
+    try:
+        spec.check(method, t.dtype, params)
+    except (UnsupportedDtype, InvalidArgument):
+        if t.numel() or t.is_meta:
+            raise
+        spec.check_empty(method, t.dtype, params)  # torch's kernel, which checks more, never runs
+        return t
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
     if type(t) is not torch.Tensor and type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
@@ -381,10 +387,10 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
     elif len(rest) == 2:
         low, high = rest
         rest = []
-    elif len(rest) == 1:
-        low, high = kwargs.pop("low", 0), rest.pop()
+    elif len(rest) == 1 and "low" not in kwargs:  # torch has no randint(high, size, low=)
+        low, high = 0, rest.pop()
     else:
-        raise TypeError("randint() missing the high argument")
+        raise TypeError("randint() takes (high, size) or (low, high, size); low= goes with high=")
     if rest:
         raise TypeError("randint(): too many positional arguments")
     if "size" not in kwargs:
@@ -451,6 +457,8 @@ def _normal_sized(g: Generator, args: tuple, kwargs: dict) -> torch.Tensor:
     else:
         mean, std = kwargs.pop("mean", args[0] if args else 0.0), kwargs.pop("std", 1.0)
     size = args[2] if len(args) >= 3 else kwargs.pop("size")
+    if not isinstance(size, (tuple, list, torch.Size)):
+        raise TypeError(f"normal(): size must be a tuple of ints, not {type(size).__name__}")
     if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
         raise TypeError("normal(mean, std, size) takes float mean and std")
     if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
@@ -602,6 +610,9 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
+    if not isinstance(replacement, bool):
+        raise TypeError(f"multinomial(): argument 'replacement' must be bool, not "
+                        f"{type(replacement).__name__}")
     spec.check_low_precision("multinomial", input.dtype)
     if not input.is_floating_point():
         raise InvalidArgument(f"multinomial only supports floating-point dtypes for input, got: "
@@ -705,6 +716,8 @@ _EARLY_BOUND_CODES: dict[int, Any] = {}  # id(code) -> code
 
 def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    if (args and args[0] is None) or ("from" in kwargs and kwargs["from"] is None):
+        raise TypeError("random_(): argument 'from' must be int, not NoneType")
     low, high = _pick(args, kwargs, ("from", "to"), (None, None))
     if low is None and high is None:
         return fill_(self, g, "random_")
@@ -729,6 +742,8 @@ def _bernoulli_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     (p,) = _pick(args, kwargs, ("p",), (0.5,))
     if not isinstance(p, torch.Tensor):
+        if isinstance(p, (str, bytes)):  # float() would parse it; torch's parser refuses
+            raise TypeError(f"bernoulli_(): argument 'p' must be float, not {type(p).__name__}")
         return fill_(self, g, "bernoulli_", p)
     if p.is_cuda:  # a CUDA p read for a CPU draw (a CUDA self is refused by its fill)
         _refuse_capture("Tensor.bernoulli_", p)
