@@ -76,7 +76,7 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
         return t
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
-    if type(t) is not torch.Tensor and type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+    if type(t) is not _TENSOR_TYPE and type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
         return _fill_subclass(t, generator, method, params)
     sampler = generator.sampler()
     if _functorch.is_functorch_wrapped_tensor(t):
@@ -113,6 +113,8 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     return t
 
 
+# looked up once: the per-draw type tests read a module global, not torch's attribute
+_TENSOR_TYPE = torch.Tensor
 # what a tensor subclass without its own __torch_dispatch__ inherits
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 # the aten operator that draws each sampler method's values (randperm_ fills fresh tensors only)
@@ -819,7 +821,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return eager_impl(*args, **kwargs)
         if _jit_tracing() or _dispatch_modes():
             _refuse_tracing(name)
-        if tensor_first and args and type(args[0]) is not torch.Tensor and _own_torch_function(
+        if tensor_first and args and type(args[0]) is not _TENSOR_TYPE and _own_torch_function(
                 args[0]):
             # a subclass with its own __torch_function__ sees the call, as torch's methods do
             return _handle_torch_function(wrapper, args[:1], *args, **kwargs)
@@ -834,7 +836,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
 _jit_tracing = patch.get("torch._C._is_tracing")
 _dispatch_modes = patch.get("torch._C._len_torch_dispatch_stack")
 _handle_torch_function = torch.overrides.handle_torch_function
-_PLAIN_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
+_PLAIN_TORCH_FUNCTION = vars(torch.Tensor)["__torch_function__"].__func__
 
 
 def _own_torch_function(x: Any) -> bool:
