@@ -85,6 +85,20 @@ def test_version_attributes_and_module_as_torchcsprng_has_them():
     assert done.stdout.split() == ["True", "True", "True"], done.stderr
 
 
+def test_version_submodule_is_reachable_as_an_attribute_too():
+    # a package exposes an imported submodule as its attribute: every import form reaches it
+    done = _run("""
+        import ember.csprng
+        ember.csprng.provide_torchcsprng()
+        import torchcsprng.version as v
+        from torchcsprng import version
+        import torchcsprng
+        print(v is version is torchcsprng.version, v.__version__ == torchcsprng.__version__,
+              v.git_version == torchcsprng.git_version)
+    """)
+    assert done.stdout.split() == ["True", "True", "True"], done.stderr
+
+
 def test_without_provide_torchcsprng_is_not_importable():
     r = _run("""
         import ember.csprng

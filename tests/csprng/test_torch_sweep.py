@@ -147,6 +147,34 @@ CASES = {
     "rand_like(0-size transposed)": lambda g: torch.rand_like(torch.rand(0, 3).t(), generator=g),
     "poisson(0-size transposed)": lambda g: torch.poisson(torch.rand(0, 3).t(), g),
     "randperm(0)": lambda g: torch.randperm(0, generator=g),
+    # tensors with no elements: torch checks some dtypes only where it draws values
+    "0-size int64 normal_": lambda g: torch.zeros(0, 3, dtype=torch.long).normal_(generator=g),
+    "randn(0, 4, dtype=int64)": lambda g: torch.randn(0, 4, dtype=torch.int64, generator=g),
+    "0-size int64 exponential_": lambda g: torch.zeros(0, dtype=torch.long).exponential_(
+        generator=g),
+    "0-size complex64 bernoulli_": lambda g: torch.zeros(0, dtype=torch.complex64).bernoulli_(
+        generator=g),
+    "0-size float8 cauchy_": lambda g: torch.zeros(0).to(F8).cauchy_(generator=g).float(),
+    "0-size int64 uniform_": lambda g: torch.zeros(0, dtype=torch.long).uniform_(generator=g),
+    "0-size int64 cauchy_": lambda g: torch.zeros(0, dtype=torch.long).cauchy_(generator=g),
+    "0-size int64 normal_(0, -1)": lambda g: torch.zeros(0, dtype=torch.long).normal_(
+        0, -1, generator=g),
+    "randperm(0, dtype=bool)": lambda g: torch.randperm(0, dtype=torch.bool, generator=g),
+    # argument rules of torch's parser
+    "geometric_(True)": lambda g: torch.zeros(4).geometric_(True, generator=g),
+    "exponential_(False)": lambda g: torch.zeros(4).exponential_(False, generator=g),
+    "bernoulli_('0.5')": lambda g: torch.zeros(4).bernoulli_("0.5", generator=g),
+    "random_(None, 5)": lambda g: torch.zeros(4).random_(None, 5, generator=g),
+    "random_(from=None, to=5)": lambda g: torch.zeros(4).random_(
+        **{"from": None, "to": 5}, generator=g),
+    "random_(to=5)": lambda g: torch.zeros(4).random_(to=5, generator=g),
+    "randint(5, (3,), low=1)": lambda g: torch.randint(5, (3,), low=1, generator=g),
+    "randint(1, high=5, size=(3,))": lambda g: torch.randint(1, high=5, size=(3,), generator=g),
+    "normal(0., 1., 3)": lambda g: torch.normal(0., 1., 3, generator=g),
+    "normal(0., 1., size=3)": lambda g: torch.normal(0., 1., size=3, generator=g),
+    "normal(0., 1., [3])": lambda g: torch.normal(0., 1., [3], generator=g),
+    "multinomial(w, 2, 1)": lambda g: torch.multinomial(torch.ones(5), 2, 1, generator=g),
+    "multinomial(w, 2, True)": lambda g: torch.multinomial(torch.ones(5), 2, True, generator=g),
 }
 
 

@@ -91,6 +91,9 @@ class DtypeRule:
     #: whether torch applies the rule to meta tensors too (its meta kernels of multinomial and
     #: poisson check no dtype)
     on_meta: bool = True
+    #: the errors above that torch raises only where it draws values (its kernel checks the
+    #: dtype), so not for a tensor with no elements; the others it checks first
+    unraised_when_empty: tuple[type[Exception], ...] = (UnsupportedDtype,)
 
 
 @dataclass(frozen=True)
@@ -163,9 +166,12 @@ def _check_bernoulli_p(dtype: torch.dtype, params: tuple) -> None:
 
 _FLOATS = DtypeRule(integers=UnsupportedDtype)
 _CONTINUOUS = DtypeRule(integers=InvalidArgument, complex=InvalidArgument)
+# torch checks the dtype before it draws (uniform_'s and random_'s bounds, randperm's)
+_CHECKED_FIRST: tuple[type[Exception], ...] = ()
 
 DISTRIBUTIONS: tuple[Distribution, ...] = (
-    Distribution("uniform_", (Param("from", 0.0), Param("to", 1.0)), _FLOATS,
+    Distribution("uniform_", (Param("from", 0.0), Param("to", 1.0)),
+                 DtypeRule(integers=UnsupportedDtype, unraised_when_empty=_CHECKED_FIRST),
                  "Tensor.uniform_ (torch.rand)", tensor_method="uniform_",
                  torch_functions=("rand", "rand_like"), triton=True, nvrtc=("uniform",),
                  extra=_check_uniform_bounds),
@@ -178,7 +184,9 @@ DISTRIBUTIONS: tuple[Distribution, ...] = (
                  "Tensor.log_normal_", tensor_method="log_normal_", triton=True,
                  nvrtc=("normal",)),
     Distribution("exponential_",
-                 (Param("lambd", 1.0, Constraint.POSITIVE, torch_name="lambda"),), _CONTINUOUS,
+                 (Param("lambd", 1.0, Constraint.POSITIVE, torch_name="lambda"),),
+                 DtypeRule(integers=InvalidArgument, complex=InvalidArgument,
+                           unraised_when_empty=(UnsupportedDtype, InvalidArgument)),
                  "Tensor.exponential_", tensor_method="exponential_", triton=True,
                  nvrtc=("exponential",)),
     Distribution("cauchy_", (Param("median", 0.0), Param("sigma", 1.0, Constraint.POSITIVE)), _CONTINUOUS,
@@ -189,14 +197,16 @@ DISTRIBUTIONS: tuple[Distribution, ...] = (
     Distribution("random_", (), DtypeRule(complex=UnsupportedDtype), "Tensor.random_",
                  tensor_method="random_", triton=True, nvrtc=("integer", "refill")),
     Distribution("random_range_", (Param("from", None), Param("to", None)),
-                 DtypeRule(complex=InvalidArgument, wide_uints=True),
+                 DtypeRule(complex=InvalidArgument, wide_uints=True,
+                           unraised_when_empty=_CHECKED_FIRST),
                  "Tensor.random_ (torch.randint)", torch_functions=("randint", "randint_like"),
                  triton=True, nvrtc=("integer", "refill")),
     Distribution("bernoulli_", (Param("p", 0.5),), DtypeRule(complex=UnsupportedDtype),
                  "Tensor.bernoulli_", tensor_method="bernoulli_", tensor_methods=("bernoulli",),
                  torch_functions=("bernoulli",),
                  triton=True, nvrtc=("bernoulli",), compat=False, extra=_check_bernoulli_p),
-    Distribution("randperm_", (), DtypeRule(only=_RANDPERM_DTYPES), "torch.randperm",
+    Distribution("randperm_", (), DtypeRule(only=_RANDPERM_DTYPES, unraised_when_empty=_CHECKED_FIRST),
+                 "torch.randperm",
                  torch_functions=("randperm",)),
     Distribution("multinomial", (Param("num_samples", None), Param("replacement", False)),
                  DtypeRule(integers=InvalidArgument, complex=InvalidArgument, on_meta=False),
@@ -262,11 +272,11 @@ def _check_params(method: str, params: tuple) -> None:
 
 def _check_values(method: str, checks: tuple, params: tuple) -> None:
     for i, accepts, p in checks:
-        if (i < len(params) and isinstance(params[i], _NUMBERS) and type(params[i]) is not bool
-                and not accepts(params[i])):
-            name = p.torch_name or p.name
+        if i < len(params) and isinstance(params[i], _NUMBERS) and not accepts(params[i]):
+            name = p.torch_name or p.name  # a bool is the number it stands for, as in torch
+            v = int(params[i]) if type(params[i]) is bool else params[i]
             raise InvalidArgument(f"{method} expects {name} {p.constraint.value}, but found "
-                                  f"{name}={params[i]}")
+                                  f"{name}={v}")
 
 
 def _plan(method: str, dtype: torch.dtype) -> tuple[type[Exception] | None, tuple, Callable | None]:
@@ -296,6 +306,16 @@ def check_input(method: str, dtype: torch.dtype, params: tuple, abstract: bool) 
         _check_params(method, params)
     else:
         check(method, dtype, params)
+
+
+def check_empty(method: str, dtype: torch.dtype, params: tuple) -> None:
+    """Raise what torch raises for filling a ``dtype`` tensor with no elements: the parameters'
+    checks, and only the dtype errors torch checks before drawing."""
+    _check_params(method, params)
+    d = _BY_METHOD[method]
+    error = _dtype_error(d, dtype)
+    if error is not None and error not in d.dtypes.unraised_when_empty:
+        raise error(f"{method}: not implemented for {dtype} (torch raises too)")
 
 
 def check_params(method: str, params: tuple) -> None:

@@ -66,9 +66,17 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     checks and no version bump are needed.
     """
     bump = _check_writable(t, method, fresh)
-    spec.check(method, t.dtype, params)
+    try:
+        spec.check(method, t.dtype, params)
+    except (UnsupportedDtype, InvalidArgument):
+        if t.numel() or t.is_meta:
+            raise
+        spec.check_empty(method, t.dtype, params)  # torch's kernel, which checks more, never runs
+        return t
     if _abstract(t):  # a meta or fake tensor has no values to fill: torch draws nothing either
         return t
+    if type(t) is not _TENSOR_TYPE and type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        return _fill_subclass(t, generator, method, params)
     sampler = generator.sampler()
     if _functorch.is_functorch_wrapped_tensor(t):
         # inside torch.func.grad/jvp/...: the wrapper has no storage; draw into a plain tensor
@@ -102,6 +110,38 @@ def fill_(t: torch.Tensor, generator: Generator, method: str, *params: Any,
     getattr(sampler, method)(tmp, *params)
     t.copy_(tmp)
     return t
+
+
+# looked up once: the per-draw type tests read a module global, not torch's attribute
+_TENSOR_TYPE = torch.Tensor
+# what a tensor subclass without its own __torch_dispatch__ inherits
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+# the aten operator that draws each sampler method's values (randperm_ fills fresh tensors only)
+_ATEN_DRAWS = {d.method: d.tensor_method for d in spec.DISTRIBUTIONS if d.tensor_method}
+_ATEN_DRAWS["random_range_"] = "random_"
+
+
+def _fill_subclass(t: torch.Tensor, generator: Generator, method: str, params: tuple
+                   ) -> torch.Tensor:
+    """Fill a tensor subclass that dispatches its own operators (DTensor, a wrapper subclass whose
+    values live in inner tensors, MaskedTensor): its memory, if it has any, is not where its values
+    are. The values are drawn into a plain tensor and copied in through the subclass's copy_."""
+    op = _ATEN_DRAWS.get(method)
+    if op is not None:
+        # torch's own draw through the subclass, from a throwaway torch generator: it raises
+        # where the subclass refuses the draw (as torch does for ember's); copy_ then replaces
+        # every value it wrote
+        getattr(torch.ops.aten, op)(t, *params, generator=torch.Generator(device=t.device))
+    tmp = fill_(torch.empty(t.shape, dtype=t.dtype, device=t.device), generator, method, *params,
+                fresh=True)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        # every rank draws the whole tensor and keeps its own part of it
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        with implicit_replication():
+            return t.copy_(tmp)
+    return t.copy_(tmp)
 
 
 def _check_writable(t: Any, method: str, fresh: bool) -> bool:
@@ -348,10 +388,10 @@ def _randint(*args: Any, **kwargs: Any) -> torch.Tensor:
     elif len(rest) == 2:
         low, high = rest
         rest = []
-    elif len(rest) == 1:
-        low, high = kwargs.pop("low", 0), rest.pop()
+    elif len(rest) == 1 and "low" not in kwargs:  # torch has no randint(high, size, low=)
+        low, high = 0, rest.pop()
     else:
-        raise TypeError("randint() missing the high argument")
+        raise TypeError("randint() takes (high, size) or (low, high, size); low= goes with high=")
     if rest:
         raise TypeError("randint(): too many positional arguments")
     if "size" not in kwargs:
@@ -418,6 +458,8 @@ def _normal_sized(g: Generator, args: tuple, kwargs: dict) -> torch.Tensor:
     else:
         mean, std = kwargs.pop("mean", args[0] if args else 0.0), kwargs.pop("std", 1.0)
     size = args[2] if len(args) >= 3 else kwargs.pop("size")
+    if not isinstance(size, (tuple, list, torch.Size)):
+        raise TypeError(f"normal(): size must be a tuple of ints, not {type(size).__name__}")
     if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
         raise TypeError("normal(mean, std, size) takes float mean and std")
     if kwargs.get("device") is None:  # torch.device(...) contexts do not reach normal
@@ -569,6 +611,9 @@ def _multinomial(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
     if num_samples is None:
         raise TypeError("multinomial() missing num_samples")
     num_samples = _int_arg(num_samples, "multinomial(): argument 'num_samples'")
+    if not isinstance(replacement, bool):
+        raise TypeError(f"multinomial(): argument 'replacement' must be bool, not "
+                        f"{type(replacement).__name__}")
     abstract = _abstract(input)
     spec.check_input("multinomial", input.dtype, (num_samples, replacement), abstract)
     if input.dim() in (1, 2) and input.shape[-1] > 1 << 24:
@@ -636,6 +681,8 @@ def _scalar_method(method: str, names: tuple[str, ...], defaults: tuple[Any, ...
 
 def _random_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
+    if (args and args[0] is None) or ("from" in kwargs and kwargs["from"] is None):
+        raise TypeError("random_(): argument 'from' must be int, not NoneType")
     low, high = _pick(args, kwargs, ("from", "to"), (None, None))
     if low is None and high is None:
         return fill_(self, g, "random_")
@@ -660,6 +707,8 @@ def _bernoulli_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     g = kwargs["generator"]
     (p,) = _pick(args, kwargs, ("p",), (0.5,))
     if not isinstance(p, torch.Tensor):
+        if isinstance(p, (str, bytes)):  # float() would parse it; torch's parser refuses
+            raise TypeError(f"bernoulli_(): argument 'p' must be float, not {type(p).__name__}")
         return fill_(self, g, "bernoulli_", p)
     if p.is_cuda:  # a CUDA p read for a CPU draw (a CUDA self is refused by its fill)
         _refuse_capture("Tensor.bernoulli_", p)
@@ -687,6 +736,9 @@ _SERVES: dict[str, Callable[..., Any]] = {
     "Tensor.random_": _random_, "Tensor.bernoulli_": _bernoulli_,
     "Tensor.bernoulli": _tensor_bernoulli, "Tensor.multinomial": _multinomial,
 }
+# torch functions whose first argument is a tensor whose type's __torch_function__ sees the call
+_TENSOR_FIRST = frozenset({"rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
+                           "poisson"})
 # torch functions that take a generator and have no record: refused for an ember generator
 _REFUSED = ("binomial", "_standard_gamma", "_sample_dirichlet", "rrelu", "rrelu_")
 
@@ -728,7 +780,8 @@ def _wraps(original: Callable[..., Any]):
     return functools.wraps(original, updated=(), assigned=("__name__", "__doc__"))
 
 
-def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_generator: int = -1):
+def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_generator: int = -1,
+          tensor_first: bool = False):
     # Under torch.compile the draw runs eagerly at a graph break: the generator's stream is Python
     # state that a graph cannot hold, and the eager draw keeps compiled and eager output equal.
     # The disabled wrapper is made on first use: torch.compiler.disable imports torch._dynamo,
@@ -736,10 +789,13 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     disabled: list[Callable[..., Any]] = []
     name = getattr(original, "__name__", "random function")
 
+    def untraced(*args: Any, **kwargs: Any) -> Any:
+        _refuse_tracing(name)  # torch.export traces here, as torch.compile does
+        return _call(impl, args, kwargs)
+
     def eager_impl(*args: Any, **kwargs: Any) -> Any:
         if not disabled:
-            disabled.append(torch.compiler.disable(
-                functools.partial(_eager, lambda *a, **k: _call(impl, a, k))))
+            disabled.append(torch.compiler.disable(functools.partial(_eager, untraced)))
         return disabled[0](*args, **kwargs)
     @_wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -752,12 +808,53 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             return eager_impl(*args, **kwargs)
+        if _jit_tracing() or _dispatch_modes():
+            _refuse_tracing(name)
+        if tensor_first and args and type(args[0]) is not _TENSOR_TYPE and _own_torch_function(
+                args[0]):
+            # a subclass with its own __torch_function__ sees the call, as torch's methods do
+            return _handle_torch_function(wrapper, args[:1], *args, **kwargs)
         if _functorch.peek_interpreter_stack() is not None:
             return _under_transform(name, impl, args, kwargs)
         return _call(impl, args, kwargs)
 
     wrapper.__ember_original__ = original
     return wrapper
+
+
+_jit_tracing = patch.get("torch._C._is_tracing")
+_dispatch_modes = patch.get("torch._C._len_torch_dispatch_stack")
+_handle_torch_function = torch.overrides.handle_torch_function
+_PLAIN_TORCH_FUNCTION = vars(torch.Tensor)["__torch_function__"].__func__
+
+
+def _own_torch_function(x: Any) -> bool:
+    """Whether ``x``'s type defines its own ``__torch_function__`` (not Tensor's, nor disabled)
+    and it is not disabled now (inside it). A subclass that inherits Tensor's sees the draw's
+    operations as before, on subclass tensors."""
+    method = getattr(type(x), "__torch_function__", None)
+    impl = getattr(method, "__func__", None)
+    return (impl is not None and impl is not _PLAIN_TORCH_FUNCTION
+            and _has_torch_function_unary(x))
+
+
+_has_torch_function_unary = torch.overrides.has_torch_function_unary
+
+
+def _refuse_tracing(name: str) -> None:
+    """Raise if torch.jit.trace, make_fx or torch.export is recording the call: the draw writes
+    through NumPy, which a trace cannot see, so the traced program would hold an empty tensor
+    where the draw was and return uninitialised memory as its noise."""
+    if _jit_tracing():
+        tracer = "torch.jit.trace"
+    elif patch.get("torch.fx.experimental.proxy_tensor.get_proxy_mode")() is not None:
+        tracer = "torch.export / make_fx"
+    else:
+        return  # another dispatch mode (FakeTensorMode, FlopCounterMode, ...): draws as usual
+    raise RuntimeError(
+        f"ember.csprng: {name} with an ember generator cannot be recorded by {tracer}: the traced "
+        "program would return uninitialised memory where the draw was. Draw outside the traced "
+        "function and pass the values in as an input (torch.compile runs ember draws eagerly)")
 
 
 def install() -> None:
@@ -774,13 +871,13 @@ def install() -> None:
         if original is None or not patch.takes_generator(name, original):
             continue  # torch has no such call with a generator: it refuses ember's as any other
         _ORIGINALS[(torch, name)] = original
-        wrapper = _wrap(original, impl, 1 if name == "poisson" else -1)
+        wrapper = _wrap(original, impl, 1 if name == "poisson" else -1, name in _TENSOR_FIRST)
         setattr(torch, name, wrapper)
         _script_as_builtin(wrapper, original, name)
     for name, impl in _TENSOR.items():
         original = getattr(torch.Tensor, name)
         _ORIGINALS[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _INHERITED)
-        setattr(torch.Tensor, name, _wrap(original, impl))
+        setattr(torch.Tensor, name, _wrap(original, impl, tensor_first=True))
     if isinstance(base, set):  # the cached set itself: torch.compile keeps tracing torch's function
         _DEVICE_WRAPPERS.update(getattr(torch, n) for (m, n), o in _ORIGINALS.items()
                                 if m is torch and o in base)

@@ -39,6 +39,7 @@ __all__ = [
     "git_version",
     "provide_torchcsprng",
     "supports_cuda",
+    "version",
 ]
 
 #: The torchcsprng release whose API this module follows, with ember's marker.
@@ -138,7 +139,7 @@ def provide_torchcsprng() -> ModuleType:
             "shadow it. Uninstall it (pip uninstall torchcsprng; its builds stop at torch 1.8) to "
             "let ember stand in, or use it directly")
     sys.modules["torchcsprng"] = me
-    sys.modules["torchcsprng.version"] = _version_module()
+    sys.modules["torchcsprng.version"] = version
     return me
 
 
@@ -148,3 +149,8 @@ def _version_module() -> ModuleType:
     module.__version__ = __version__  # type: ignore[attr-defined]
     module.git_version = git_version  # type: ignore[attr-defined]
     return module
+
+
+#: ``torchcsprng.version``: a package's imported submodule is also its attribute, which
+#: ``import torchcsprng.version as v`` and ``from torchcsprng import version`` read
+version = _version_module()
