@@ -50,11 +50,12 @@ def test_import_fails_closed_naming_the_torch_version(module, attr, replacement)
 
 
 def test_get_names_the_missing_hook(monkeypatch):
-    import torch.nn.init
+    import torch.utils.data.graph_settings as graph_settings
 
-    monkeypatch.delattr(torch.nn.init, "_make_deprecate")
-    with pytest.raises(patch.TorchIncompatible, match=r"torch\.nn\.init\._make_deprecate"):
-        patch.get("torch.nn.init._make_deprecate")
+    monkeypatch.delattr(graph_settings, "get_all_graph_pipes")
+    with pytest.raises(patch.TorchIncompatible,
+                       match=r"torch\.utils\.data\.graph_settings\.get_all_graph_pipes"):
+        patch.get("torch.utils.data.graph_settings.get_all_graph_pipes")
 
 
 def test_version_counter_setter_takes_either_calling_convention():
