@@ -117,3 +117,23 @@ def test_nested_vmaps_different_at_both_levels():
         outer_diff = torch.vmap(inner_same, randomness="different")(torch.zeros(2, B, 3))
         assert not torch.equal(outer_diff[0, 0], outer_diff[1, 0]), type(g)
         assert all(torch.equal(outer_diff[0, 0], outer_diff[0, i]) for i in range(B)), type(g)
+
+
+def test_a_compiled_function_around_vmap_keeps_its_randomness_rules():
+    # torch.compile runs the draw eagerly at a graph break, still inside the vmap: the same rules
+    # as the eager call (rows differ for "different", the draw refused for "error")
+    g = csprng.create_generator(5)
+
+    def different(x):
+        return torch.vmap(lambda y: y + torch.rand(3, generator=g), randomness="different")(x)
+
+    rows = torch.compile(different, backend="eager")(torch.zeros(B, 3))
+    assert len({tuple(r.tolist()) for r in rows}) == B
+
+    def refused(x):
+        return torch.vmap(lambda y: y + torch.rand(3, generator=g))(x)
+
+    with pytest.raises(RuntimeError, match="randomness"):
+        refused(torch.zeros(B, 3))
+    with pytest.raises(RuntimeError, match="randomness"):
+        torch.compile(refused, backend="eager")(torch.zeros(B, 3))

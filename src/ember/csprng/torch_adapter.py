@@ -789,13 +789,21 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     disabled: list[Callable[..., Any]] = []
     name = getattr(original, "__name__", "random function")
 
-    def untraced(*args: Any, **kwargs: Any) -> Any:
-        _refuse_tracing(name)  # torch.export traces here, as torch.compile does
+    def route(*args: Any, **kwargs: Any) -> Any:
+        """The draw with an ember generator, eager or at torch.compile's graph break alike."""
+        if _jit_tracing() or _dispatch_modes():
+            _refuse_tracing(name)  # torch.export traces at the graph break, as torch.compile does
+        if tensor_first and args and type(args[0]) is not _TENSOR_TYPE and _own_torch_function(
+                args[0]):
+            # a subclass with its own __torch_function__ sees the call, as torch's methods do
+            return _handle_torch_function(wrapper, args[:1], *args, **kwargs)
+        if _functorch.peek_interpreter_stack() is not None:  # inside vmap, grad, ...
+            return _under_transform(name, impl, args, kwargs)
         return _call(impl, args, kwargs)
 
     def eager_impl(*args: Any, **kwargs: Any) -> Any:
         if not disabled:
-            disabled.append(torch.compiler.disable(functools.partial(_eager, untraced)))
+            disabled.append(torch.compiler.disable(functools.partial(_eager, route)))
         return disabled[0](*args, **kwargs)
     @_wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -808,15 +816,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
             return eager_impl(*args, **kwargs)
-        if _jit_tracing() or _dispatch_modes():
-            _refuse_tracing(name)
-        if tensor_first and args and type(args[0]) is not _TENSOR_TYPE and _own_torch_function(
-                args[0]):
-            # a subclass with its own __torch_function__ sees the call, as torch's methods do
-            return _handle_torch_function(wrapper, args[:1], *args, **kwargs)
-        if _functorch.peek_interpreter_stack() is not None:
-            return _under_transform(name, impl, args, kwargs)
-        return _call(impl, args, kwargs)
+        return route(*args, **kwargs)
 
     wrapper.__ember_original__ = original
     return wrapper
