@@ -3,6 +3,10 @@ where torch refuses it; never a silent write into memory the subclass does not r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -125,3 +129,45 @@ def test_dtensor_draws_reach_every_shard():
             assert torch.equal(r.full_tensor(), torch.rand(4, generator=csprng.create_generator(0)))
     finally:
         dist.destroy_process_group()
+
+
+_TWO_RANKS = """
+import os, sys, torch, torch.distributed as dist
+import ember.csprng as csprng
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+mesh = init_device_mesh("cpu", (2,))
+for name, make in (("os-keyed", csprng.create_random_device_generator),
+                   ("seeded", lambda: csprng.create_generator(7))):
+    for placement in (Replicate(), Shard(0)):
+        d = distribute_tensor(torch.zeros(4, 4), mesh, [placement])
+        try:
+            d.normal_(generator=make())
+        except RuntimeError as e:
+            outcome = "refused" if "same seed" in str(e) else repr(e)
+        else:
+            local = d.to_local().contiguous()
+            both = [torch.empty_like(local) for _ in range(2)]
+            dist.all_gather(both, local)
+            outcome = "equal" if torch.equal(both[0], both[1]) else "differ"
+        if rank == 0:
+            print(name, type(placement).__name__, outcome, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_replicated_dtensor_is_never_left_different_on_two_ranks(tmp_path):
+    # every rank draws the whole tensor: equal generators keep replicas equal; an OS-keyed
+    # generator (never equal on two ranks) is refused for a replicated DTensor
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    init = tmp_path / "init"
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANKS, str(r), str(init)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0].split("\n")[:-1] == [
+        "os-keyed Replicate refused", "os-keyed Shard differ",
+        "seeded Replicate equal", "seeded Shard differ"], outs

@@ -78,3 +78,18 @@ def test_flop_counter_mode_still_draws():
     with FlopCounterMode(display=False):
         out = torch.randn(4, generator=csprng.create_generator(0))
     assert torch.equal(out, torch.randn(4, generator=csprng.create_generator(0)))
+
+
+def test_functionalization_refuses_ember_draws():
+    # AOTAutograd's functionalization (aot_function, FunctionalTensorMode) records a program too
+    from functorch.compile import aot_function
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    g = csprng.create_generator(0)
+    state = g.get_state().clone()
+    with FunctionalTensorMode(), pytest.raises(RuntimeError, match="functionaliz"):
+        torch.rand(3, generator=g)
+    with pytest.raises(RuntimeError, match="Draw outside the traced function"):
+        aot_function(lambda x: x + torch.rand(3, generator=g),
+                     fw_compiler=lambda gm, _: gm)(torch.ones(3))
+    assert torch.equal(g.get_state(), state)

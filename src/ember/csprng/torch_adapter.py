@@ -132,9 +132,15 @@ def _fill_subclass(t: torch.Tensor, generator: Generator, method: str, params: t
         # where the subclass refuses the draw (as torch does for ember's); copy_ then replaces
         # every value it wrote
         getattr(torch.ops.aten, op)(t, *params, generator=torch.Generator(device=t.device))
-    tmp = fill_(torch.empty(t.shape, dtype=t.dtype, device=t.device), generator, method, *params,
-                fresh=True)
+    plain = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if type(plain) is not _TENSOR_TYPE:  # a mode makes every new tensor a subclass too
+        raise RuntimeError(f"ember.csprng cannot draw into a {type(t).__name__} while new tensors "
+                           f"are {type(plain).__name__}s; draw outside this context and pass the "
+                           "values in")
     dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        _check_replicated_draw(t, generator)
+    tmp = fill_(plain, generator, method, *params, fresh=True)
     if dtensor is not None and isinstance(t, dtensor.DTensor):
         # every rank draws the whole tensor and keeps its own part of it
         from torch.distributed.tensor.experimental import implicit_replication
@@ -142,6 +148,19 @@ def _fill_subclass(t: torch.Tensor, generator: Generator, method: str, params: t
         with implicit_replication():
             return t.copy_(tmp)
     return t.copy_(tmp)
+
+
+def _check_replicated_draw(t: Any, generator: Generator) -> None:
+    """A DTensor replicated over several ranks holds the same values on each: every rank draws
+    the whole tensor, so their generators must be in the same state, which an OS-keyed one never
+    is (ranks would silently hold different values)."""
+    replicated = any(p.is_replicate() for p in t.placements)
+    if replicated and generator._from_os and t.device_mesh.size() > 1:
+        raise RuntimeError(
+            "ember.csprng: a DTensor replicated over several ranks needs the same values on every "
+            "rank, and an OS-keyed generator draws different ones on each; use "
+            "ember.csprng.create_generator(seed) with the same seed (and the same draws) on every "
+            "rank, or draw a plain tensor on one rank and distribute it")
 
 
 def _check_writable(t: Any, method: str, fresh: bool) -> bool:
@@ -849,6 +868,9 @@ def _refuse_tracing(name: str) -> None:
         tracer = "torch.jit.trace"
     elif patch.get("torch.fx.experimental.proxy_tensor.get_proxy_mode")() is not None:
         tracer = "torch.export / make_fx"
+    elif patch.get("torch._C._get_dispatch_mode")(
+            patch.get("torch._C._TorchDispatchModeKey.FUNCTIONAL")) is not None:
+        tracer = "functionalization (AOTAutograd, aot_function)"
     else:
         return  # another dispatch mode (FakeTensorMode, FlopCounterMode, ...): draws as usual
     raise RuntimeError(
