@@ -837,6 +837,10 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
             return eager_impl(*args, **kwargs)
         return route(*args, **kwargs)
 
+    # each wrapper runs its own code object: torch.compile caches the frames it resumes after a
+    # graph break inside a wrapper (torch's own generator) per code object, so one shared by
+    # every routed function would be recompiled for each of them and reach its recompile limit
+    wrapper.__code__ = wrapper.__code__.replace(co_qualname=f"{name} (ember.csprng wrapper)")
     wrapper.__ember_original__ = original
     return wrapper
 
