@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,8 +43,14 @@ def _call(impl: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     try:
         return impl(*args, **kwargs)
     except (ValueError, OverflowError) as e:
-        if isinstance(e, (RuntimeError, CounterExhausted)):
-            raise
+        _raise_as_torch(e)
+        raise
+
+
+def _raise_as_torch(e: ValueError | OverflowError) -> None:
+    """Raise ember's ValueError/OverflowError ``e`` as torch raises it (an InvalidArgument, a
+    RuntimeError); return for errors that already are what torch raises."""
+    if not isinstance(e, (RuntimeError, CounterExhausted)):
         raise InvalidArgument(str(e)) from e
 
 
@@ -808,22 +815,17 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     disabled: list[Callable[..., Any]] = []
     name = getattr(original, "__name__", "random function")
 
-    def route(*args: Any, **kwargs: Any) -> Any:
-        """The draw with an ember generator, eager or at torch.compile's graph break alike."""
-        if _jit_tracing() or _dispatch_modes():
-            _refuse_tracing(name)  # torch.export traces at the graph break, as torch.compile does
-        if tensor_first and args and type(args[0]) is not _TENSOR_TYPE and _own_torch_function(
-                args[0]):
-            # a subclass with its own __torch_function__ sees the call, as torch's methods do
-            return _handle_torch_function(wrapper, args[:1], *args, **kwargs)
-        if _functorch.peek_interpreter_stack() is not None:  # inside vmap, grad, ...
-            return _under_transform(name, impl, args, kwargs)
-        return _call(impl, args, kwargs)
-
     def eager_impl(*args: Any, **kwargs: Any) -> Any:
+        # the wrapper runs again at torch.compile's graph break, eagerly: the same routing as an
+        # eager call (vmap's randomness rules included). torch.export traces with
+        # is_compiling() still True: the flag tells the wrapper it is that eager run
         if not disabled:
-            disabled.append(torch.compiler.disable(functools.partial(_eager, route)))
-        return disabled[0](*args, **kwargs)
+            disabled.append(torch.compiler.disable(functools.partial(_eager, wrapper)))
+        _AT_GRAPH_BREAK.depth = getattr(_AT_GRAPH_BREAK, "depth", 0) + 1
+        try:
+            return disabled[0](*args, **kwargs)
+        finally:
+            _AT_GRAPH_BREAK.depth -= 1
     @_wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         g = kwargs.get("generator")
@@ -833,9 +835,21 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
                 args, kwargs = args[:positional_generator], {"generator": g}
         if g is None or not isinstance(g, Generator):
             return original(*args, **kwargs)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not getattr(_AT_GRAPH_BREAK, "depth", 0):
             return eager_impl(*args, **kwargs)
-        return route(*args, **kwargs)
+        if _jit_tracing() or _dispatch_modes():
+            _refuse_tracing(name)  # torch.export traces at the graph break, as torch.compile does
+        if tensor_first and args and type(args[0]) is not _TENSOR_TYPE and _own_torch_function(
+                args[0]):
+            # a subclass with its own __torch_function__ sees the call, as torch's methods do
+            return _handle_torch_function(wrapper, args[:1], *args, **kwargs)
+        if _functorch.peek_interpreter_stack() is not None:  # inside vmap, grad, ...
+            return _under_transform(name, impl, args, kwargs)
+        try:  # _call(impl, args, kwargs), inlined: one frame fewer on every draw
+            return impl(*args, **kwargs)
+        except (ValueError, OverflowError) as e:
+            _raise_as_torch(e)
+            raise
 
     # each wrapper runs its own code object: torch.compile caches the frames it resumes after a
     # graph break inside a wrapper (torch's own generator) per code object, so one shared by
@@ -845,6 +859,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     return wrapper
 
 
+_AT_GRAPH_BREAK = threading.local()  # depth: the wrapper runs at a graph break (eagerly)
 _jit_tracing = patch.get("torch._C._is_tracing")
 _dispatch_modes = patch.get("torch._C._len_torch_dispatch_stack")
 _handle_torch_function = torch.overrides.handle_torch_function
