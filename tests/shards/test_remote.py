@@ -25,14 +25,15 @@ def _read(path) -> bytes:
 
 @contextlib.contextmanager
 def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_range: bool = True,
-          shift: int = 0):
+          shift: int = 0, cap: int = 0):
     """Serve ``files`` on 127.0.0.1 at an ephemeral port; ``drop[path]`` responses for that path
     send only a third of the body and close the connection (-1: every response, sending no body
     at all, so no attempt makes progress). A list of bytes as a file serves its n-th entry to
     the n-th request (the last one from then on). Every response has an ETag (a hash of the
     body's file), and a Range is honoured only where an If-Range sent with it matches. A
     ranged response starts ``shift`` bytes before the offset asked (at byte 0 at the earliest),
-    and its Content-Range says where it starts."""
+    and its Content-Range says where it starts; with ``cap`` it holds at most ``cap`` bytes (a
+    part of the rest, as the standard allows) and its Content-Range says where it ends."""
     drop = dict(drop or {})
     hits: dict[str, int] = {}
     lock = threading.Lock()
@@ -61,10 +62,11 @@ def _http(files: dict[str, bytes], drop: dict[str, int] | None = None, honour_ra
                 start = int(rng.split("=")[1].split("-")[0])
             ranged = start > 0
             start = max(0, start - shift) if ranged else 0
-            body = data[start:]
+            end = min(len(data), start + cap) if ranged and cap else len(data)
+            body = data[start:end]
             self.send_response(206 if ranged else 200)
             if ranged:
-                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("ETag", etag)
             self.end_headers()

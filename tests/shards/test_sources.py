@@ -253,6 +253,20 @@ def test_a_resumed_http_read_that_starts_elsewhere_is_an_error_naming_the_offset
         assert hits["/s.tar"] == 2
 
 
+def test_a_resumed_http_read_answered_in_parts_reads_on_to_the_objects_end(tmp_path):
+    # a 206 may hold less than the rest (its Content-Range ends before the object's size): the
+    # stream asks again from where it ended instead of taking the part's end for the shard's end
+    from test_remote import _http
+
+    old, _ = _two_versions(tmp_path)
+    fast = UrlOptions(timeout=5.0, retries=3, backoff=0.01)
+    with _http({"/s.tar": old}, drop={"/s.tar": 1}, cap=len(old) // 5) as (base, hits):
+        seen: list[Exception] = []
+        got = list(ShardDataset([base + "/s.tar"], on_error=seen.append, url_options=fast))
+        assert seen == [] and len(got) == 20
+        assert hits["/s.tar"] >= 4
+
+
 def test_a_resumed_s3_read_that_starts_elsewhere_is_an_error_naming_the_offset(
         s3, tmp_path, monkeypatch):
     import boto3

@@ -445,15 +445,17 @@ def _changed(url: str, offset: int, how: str) -> ShardError:
                       "before belong to another version: read the shard again", url, offset)
 
 
-_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-\d+/(?:\d+|\*)\s*$", re.IGNORECASE)
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-\d+/(\d+|\*)\s*$", re.IGNORECASE)
 
 
-def _check_start(url: str, offset: int, content_range: str | None) -> None:
+def _check_start(url: str, offset: int, content_range: str | None) -> int | None:
     """Raise unless a partial response's ``Content-Range`` starts at ``offset``, the byte asked
-    for: bytes from anywhere else would be stitched in as if they followed."""
+    for: bytes from anywhere else would be stitched in as if they followed. Returns the object's
+    size it states (None for ``*``): a server may send less than the rest, and the stream goes on
+    to that size."""
     m = _CONTENT_RANGE.match(content_range or "")
     if m is not None and int(m.group(1)) == offset:
-        return
+        return None if m.group(2) == "*" else int(m.group(2))
     answer = f"Content-Range: {content_range}" if content_range else "no Content-Range"
     raise ShardError(f"asked for bytes={offset}-, the server answered with {answer}; its bytes "
                      "would not continue the stream", url, offset)
@@ -526,9 +528,10 @@ class _HttpOpener:
             except ShardError:
                 conn.close()
                 raise
+            size = None
             if resp.status == 206:
                 try:
-                    _check_start(self.url, offset, resp.getheader("Content-Range"))
+                    size = _check_start(self.url, offset, resp.getheader("Content-Range"))
                 except ShardError:
                     conn.close()
                     raise
@@ -537,6 +540,8 @@ class _HttpOpener:
             if offset and resp.status == 200:  # server ignored the range: skip what we have
                 body.discard(offset)
                 return body, int(length) if length else None
+            if size is not None:  # a part of the rest (the object's size says where it ends)
+                return body, size
             return body, (offset + int(length)) if length else None
         raise ShardError("too many HTTP redirects", self.url)
 
