@@ -420,6 +420,9 @@ class NativeSampler:
         mean, std = float(mean), float(std)
         if not std >= 0.0:  # the record's rule, with its message
             spec.check_params("normal_", (mean, std))
+        if mean == 0.0 and std == 1.0:  # randn: within every dtype's range
+            self._normal(out, mean, std, log=False)
+            return
         bound = abs(mean) + _NORMAL_BOUND * std
         if bound < _HALF_MAX[out.dtype]:  # the common case
             self._normal(out, mean, std, log=False)
