@@ -616,7 +616,7 @@ def _carried_classes(args, urls: list[str]) -> dict[str, bytes] | None:
         folder = url.rsplit("/", 1)[0] if local_path(url) is None else \
             os.path.dirname(os.path.abspath(local_path(url) or ""))
         if folder not in found and folder not in without:
-            data = file_beside(url, "classes.json", options)
+            data = file_beside(url, "classes.json", options, required=True)
             if data is not None:
                 found[folder] = data
             else:
