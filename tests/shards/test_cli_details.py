@@ -50,6 +50,15 @@ def test_cat_into_a_pipe_closed_early_ends_quietly(tmp_path):
     assert code == 128 + signal.SIGPIPE  # as a Unix tool ended by SIGPIPE
 
 
+@pytest.mark.parametrize("action", ["ls", "verify"])
+def test_an_action_run_with_standard_output_closed_ends_quietly(tmp_path, action):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    # `ember shards ls x.tar >&-`: Python starts with sys.stdout None
+    proc = subprocess.run(["bash", "-c", '"$@" >&-', "bash", *entry_point(), "shards", action,
+                           "-q", _shard(tmp_path)], capture_output=True, timeout=300, env=env)
+    assert proc.stderr == b""
+    assert proc.returncode == 0
+
 
 @pytest.fixture
 def images(tmp_path):

@@ -1145,7 +1145,8 @@ def _guarded(name: str, fn: Callable) -> Callable:
         try:
             with _stop_signals_raise():
                 code = fn(args)
-                sys.stdout.flush()  # a closed pipe is found here, not at the exit
+                if sys.stdout is not None and not sys.stdout.closed:  # `>&-`: None, quietly
+                    sys.stdout.flush()  # a closed pipe is found here, not at the exit
                 return code
         except BrokenPipeError:  # `ember shards cat ... | head`: quiet, as Unix tools are
             _quiet_stdout()
