@@ -116,3 +116,48 @@ def test_a_listed_fifo_is_refused_unopened(tmp_path):
     r = _ember_waiting("create", "--list", str(root / "list.txt"), "-o",
                        str(tmp_path / "o" / "s-%03d.tar"), "-q")
     assert "not a regular file" in one_error_line(r, "create")
+
+
+def _linked_tar(root) -> bytes:
+    """GNU tar's way: a second name of a file is a hard-link member naming the first."""
+    (root / "dog").mkdir(parents=True)
+    (root / "cat").mkdir()
+    for name, (w, h) in {"dog/0.png": (4, 3), "dog/2.png": (5, 3), "cat/1.png": (6, 3)}.items():
+        (root / name).write_bytes(png(w, h))
+    os.link(root / "dog/0.png", root / "cat/0.png")
+    os.symlink("../cat/1.png", root / "dog/1.png")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name in ["dog/0.png", "dog/2.png", "dog/1.png", "cat/0.png", "cat/1.png"]:
+            tar.add(str(root / name), arcname=name, recursive=False)
+    return buf.getvalue()
+
+
+def test_a_stream_s_hard_link_takes_its_target_s_data_and_a_symlink_is_named(tmp_path):
+    stream = _linked_tar(tmp_path / "in")
+    with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
+        kinds = [m.type for m in tar]
+    assert kinds.count(tarfile.LNKTYPE) == 1 and kinds.count(tarfile.SYMTYPE) == 1
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q", stdin=stream)
+    assert r.returncode == 0, r.stderr
+    samples = {s["__key__"]: s for s in wds.WebDataset(str(tmp_path / "out" / "s-000.tar"),
+                                                       shardshuffle=False)}
+    assert sorted(samples) == ["cat/0", "cat/1", "dog/0", "dog/2"]
+    assert samples["cat/0"]["png"] == (tmp_path / "in" / "dog/0.png").read_bytes()  # as tar -x
+    left_out = [x for x in r.stderr.decode().splitlines() if "left out" in x]
+    assert len(left_out) == 1 and "1 symlink" in left_out[0] and "dog/1.png" in left_out[0]
+
+
+def test_a_stream_s_hard_link_to_no_earlier_member_is_one_line(tmp_path):
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat/1.png").write_bytes(png(4, 3))
+    info = tarfile.TarInfo("cat/9.png")
+    info.type, info.linkname = tarfile.LNKTYPE, "cat/missing.png"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        tar.add(str(tmp_path / "cat/1.png"), arcname="cat/1.png")
+        tar.addfile(info)
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
+              stdin=buf.getvalue())
+    assert "cat/9.png -> cat/missing.png" in one_error_line(r, "create")
+    assert not (tmp_path / "out").exists()

@@ -37,7 +37,7 @@ from ember.shards.index import (
     write_index,
 )
 from ember.shards.reading import _samples, iter_shard
-from ember.shards.tar import iter_members, open_tar_source
+from ember.shards.tar import Link, iter_members, open_tar_source
 from ember.shards.urls import UrlOptions, expand_urls, file_beside, local_path
 from ember.shards.writer import ShardWriter, TarWriter, shard_path
 
@@ -704,6 +704,7 @@ class _Found:
     loops: list[str] = dataclasses.field(default_factory=list)  # symlinked folders walked already
     renamed: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, key)
     special: list[str] = dataclasses.field(default_factory=list)  # FIFOs, devices, sockets
+    symlinks: list[str] = dataclasses.field(default_factory=list)  # a tar stream's symlinks
     broken: list[str] = dataclasses.field(default_factory=list)  # "path: why it cannot be read"
     empty: list[str] = dataclasses.field(default_factory=list)  # class folders without images
 
@@ -855,8 +856,9 @@ def _say_left_out(found: _Found, members: bool = False) -> None:
     walked already, and one for keys that differ from file names (``members``: the names are
     those of a tar stream's files, not paths)."""
     skipped, hidden, renamed, special = found.skipped, found.hidden, found.renamed, found.special
-    if skipped or hidden or special:
-        n = len(skipped) + len(hidden) + len(special)
+    symlinks = found.symlinks
+    if skipped or hidden or special or symlinks:
+        n = len(skipped) + len(hidden) + len(special) + len(symlinks)
         why = []
         if hidden:
             why.append(f"{len(hidden)} hidden (name starting with '.')")
@@ -866,11 +868,14 @@ def _say_left_out(found: _Found, members: bool = False) -> None:
         if special:
             why.append(f"{len(special)} {_NOT_REGULAR}{'s' * (len(special) != 1)} (a FIFO, "
                        "device or socket, never opened)")
+        if symlinks:
+            why.append(f"{len(symlinks)} symlink{'s' * (len(symlinks) != 1)} (not followed)")
         noun = "file or folder" if n == 1 else "files or folders"
         if members or not any(os.path.isdir(p) for p in hidden):
             noun = "file" if n == 1 else "files"
         print(f"ember shards create: left out {n} {noun}: "
-              f"{', '.join(why)} (first: {(hidden or skipped or special)[0]})", file=sys.stderr)
+              f"{', '.join(why)} (first: {(hidden or skipped or special or symlinks)[0]})",
+              file=sys.stderr)
     if found.loops:
         n = len(found.loops)
         print(f"ember shards create: left out {n} symlinked folder{'s' * (n != 1)} already walked "
@@ -1019,17 +1024,60 @@ def _folder_source(args, src: str, bad: list[str] | None):
     return _folder_samples(images), len(images), extra
 
 
+_LINKED_BYTES = 256 << 20  # the most bytes of earlier members kept for hard links to them
+
+
+class _Linked:
+    """The data of a tar stream's recent members, by name, for the hard links that follow them
+    (as tar extraction gives a hard link its target's data)."""
+
+    def __init__(self):
+        self.kept: dict[str, bytes] = {}
+        self.size = 0
+        self.dropped: set[str] = set()
+
+    def add(self, name: str, data: bytes) -> None:
+        self.size += len(data) - len(self.kept.pop(name, b""))
+        self.kept[name] = data
+        self.dropped.discard(name)
+        while self.size > _LINKED_BYTES:
+            old = next(iter(self.kept))
+            self.size -= len(self.kept.pop(old))
+            self.dropped.add(old)
+
+    def data(self, name: str, target: str) -> bytes:
+        while target.startswith("./"):
+            target = target[2:]
+        if target in self.kept:
+            return self.kept[target]
+        if target in self.dropped:
+            raise ValueError(f"standard input: the hard link {name} -> {target} points too far "
+                             "back in the stream to be kept; make the stream with tar "
+                             "--hard-dereference")
+        raise ValueError(f"standard input: the hard link {name} -> {target} names no earlier "
+                         "member of the stream")
+
+
 def _stream_members(members, found: _Found):
     """The members of a tar stream as ``create FOLDER`` would name them: without a leading
     ``./``, hidden files and folders left out (in ``found.hidden``), and a first path part that
-    webdataset reserves (``__background__``) without its first ``_`` (in ``found.renamed``)."""
+    webdataset reserves (``__background__``) without its first ``_`` (in ``found.renamed``).
+    A hard link takes its target's data; a symlink is left out (in ``found.symlinks``)."""
     plain: set[str] = set()  # first path parts as they are
     moved: dict[str, str] = {}  # reserved first path part -> the one written
+    linked = _Linked()
     for name, data, offset in members:
         while name.startswith("./"):
             name = name[2:]
         if not name:
             continue
+        if isinstance(data, Link):
+            if not data.hard:
+                found.symlinks.append(name)
+                continue
+            data = linked.data(name, data.target)
+        elif data is not None:
+            linked.add(name, data)
         if any(_hidden(part) for part in name.split("/")):
             found.hidden.append(name)
             continue
@@ -1054,7 +1102,8 @@ def _stream_samples(stream, found: _Found):
     """The samples of a tar stream (standard input), named as :func:`_stream_members` says."""
     src = open_tar_source(stream, "-")
     try:
-        yield from group_samples(_stream_members(iter_members(src, "-"), found), "-")
+        yield from group_samples(_stream_members(iter_members(src, "-", links=True), found),
+                                 "-")
     finally:
         src.close()
 
