@@ -4,6 +4,7 @@ or to themselves, and files that are not regular files."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import subprocess
@@ -160,4 +161,16 @@ def test_a_stream_s_hard_link_to_no_earlier_member_is_one_line(tmp_path):
     r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
               stdin=buf.getvalue())
     assert "cat/9.png -> cat/missing.png" in one_error_line(r, "create")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_gzip_stream_cut_in_its_trailer_is_refused(tmp_path):
+    root = _folder(tmp_path / "in", {"cat": 2, "dog": 2})
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    whole = gzip.compress(_tar_of(root, names, ""))
+    assert ember("create", "-", "-o", str(tmp_path / "ok" / "s-%03d.tar"), "-q",
+                 stdin=whole).returncode == 0
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q", stdin=whole[:-4])
+    line = one_error_line(r, "create")
+    assert "gzip" in line or "ends" in line, line
     assert not (tmp_path / "out").exists()

@@ -1104,6 +1104,7 @@ def _stream_samples(stream, found: _Found):
     try:
         yield from group_samples(_stream_members(iter_members(src, "-", links=True), found),
                                  "-")
+        src.finish()  # after the last sample: a gzip trailer cut short is an error too
     finally:
         src.close()
 
