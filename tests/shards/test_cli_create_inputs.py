@@ -174,3 +174,59 @@ def test_a_gzip_stream_cut_in_its_trailer_is_refused(tmp_path):
     line = one_error_line(r, "create")
     assert "gzip" in line or "ends" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def _stream_of(root, names: list[str]) -> bytes:
+    """A tar of ``png`` files under the given member names (any name, ``..`` ones too)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in names:
+            data = png(4, 3)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_class_with_three_leading_underscores_is_renamed_alike_from_a_folder_or_a_stream(
+        tmp_path):
+    root = _folder(tmp_path / "in", {"___x__": 1, "cat": 1})
+    outs = {}
+    for how, source, stdin in [("folder", str(root), None),
+                               ("stream", "-", _tar_of(root, ["___x__/i0.png", "cat/i0.png"],
+                                                       ""))]:
+        r = ember("create", source, "-o", str(tmp_path / how / "s-%03d.tar"), "-q", stdin=stdin)
+        assert r.returncode == 0, r.stderr
+        assert "'_x__/i0'" in r.stderr.decode()  # the note names the key written
+        outs[how] = sorted(s["__key__"] for s in wds.WebDataset(
+            str(tmp_path / how / "s-000.tar"), shardshuffle=False))
+    assert outs["folder"] == outs["stream"] == ["_x__/i0", "cat/i0"]  # webdataset reads both
+
+
+def test_a_stream_with_two_reserved_classes_that_would_meet_is_refused(tmp_path):
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
+              stdin=_stream_of(tmp_path, ["__x__/0.png", "___x__/0.png"]))
+    assert "___x__" in one_error_line(r, "create")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["../cat/0.png", "cat/../0.png", "/abs/0.png"])
+def test_a_stream_member_that_climbs_out_is_unsafe(tmp_path, name):
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
+              stdin=_stream_of(tmp_path, ["cat/1.png", name]))
+    line = one_error_line(r, "create")
+    assert "unsafe" in line and name in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("names", [[], [".DS_Store"]])
+def test_a_stream_without_samples_is_refused(tmp_path, names):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        folder = tarfile.TarInfo("cat")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+    stream = _stream_of(tmp_path, names) if names else buf.getvalue()
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q", stdin=stream)
+    assert "no samples" in one_error_line(r, "create")
+    assert not (tmp_path / "out").exists()

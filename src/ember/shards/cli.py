@@ -26,7 +26,7 @@ from tqdm import tqdm
 from ember.shards.dataset import ShardDataset
 from ember.shards.decode import IMAGE_EXTENSIONS, MAX_PIXELS
 from ember.shards.errors import ShardError
-from ember.shards.format import group_samples, is_metadata, split_name
+from ember.shards.format import group_samples, is_metadata, split_name, unsafe_name
 from ember.shards.index import (
     INDEX_SUFFIX,
     build_index,
@@ -743,17 +743,30 @@ def _walk_class(top: str, found: _Found, seen: set) -> list[tuple[str, str, str]
     return entries
 
 
+def _unreserved(name: str) -> str:
+    """``name`` with as few of its leading ``_`` removed as webdataset needs to read its first
+    path part as a sample's, not as metadata (``__background__/a`` -> ``_background__/a``,
+    ``___x__/a`` -> ``_x__/a``)."""
+    first = name.split("/", 1)[0]
+    rest = name[len(first):]
+    while is_metadata(first + rest):
+        first = first[1:]
+    return first + rest
+
+
 def _class_prefix(name: str, classes: list[str]) -> str:
     """The first part of the keys of class folder ``name``: the name itself, except where
-    webdataset would skip members under it (``__background__``): then without its first
-    ``_``."""
-    if not is_metadata(f"{name}/x"):
+    webdataset would skip members under it (``__background__``): then without as many leading
+    ``_`` as that takes."""
+    new = _unreserved(f"{name}/x")[:-2]
+    if new == name:
         return name
-    if name[1:] in classes:
-        raise ValueError(f"class folders {name!r} and {name[1:]!r} both exist: webdataset skips "
-                         f"members under {name}/, and keys under {name[1:]}/ are taken; rename "
+    taken = [c for c in classes if c != name and (c == new or _unreserved(f"{c}/x")[:-2] == new)]
+    if taken:
+        raise ValueError(f"class folders {name!r} and {taken[0]!r} both exist: webdataset skips "
+                         f"members under {name}/, and keys under {new}/ are taken; rename "
                          "one of them")
-    return name[1:]
+    return new
 
 
 def _unreadable(path: str) -> str | None:
@@ -851,6 +864,23 @@ def _folder_samples(images: list[tuple[int, str, str, str]]):
         yield {"__key__": key, ext: data, "cls": str(index).encode(), "__path__": path}
 
 
+def _left_out_reasons(found: _Found) -> list[str]:
+    """The reasons files were left out, each with its count, for the one line about them."""
+    skipped, hidden, special, symlinks = found.skipped, found.hidden, found.special, found.symlinks
+    why = []
+    if hidden:
+        why.append(f"{len(hidden)} hidden (name starting with '.')")
+    if skipped:
+        why.append(f"{len(skipped)} not an image by {'its' if len(skipped) == 1 else 'their'}"
+                   " extension")
+    if special:
+        why.append(f"{len(special)} {_NOT_REGULAR}{'s' * (len(special) != 1)} (a FIFO, "
+                   "device or socket, never opened)")
+    if symlinks:
+        why.append(f"{len(symlinks)} symlink{'s' * (len(symlinks) != 1)} (not followed)")
+    return why
+
+
 def _say_left_out(found: _Found, members: bool = False) -> None:
     """One line for the files left out (hidden, or not an image), one for the symlinked folders
     walked already, and one for keys that differ from file names (``members``: the names are
@@ -859,23 +889,12 @@ def _say_left_out(found: _Found, members: bool = False) -> None:
     symlinks = found.symlinks
     if skipped or hidden or special or symlinks:
         n = len(skipped) + len(hidden) + len(special) + len(symlinks)
-        why = []
-        if hidden:
-            why.append(f"{len(hidden)} hidden (name starting with '.')")
-        if skipped:
-            why.append(f"{len(skipped)} not an image by {'its' if len(skipped) == 1 else 'their'}"
-                       " extension")
-        if special:
-            why.append(f"{len(special)} {_NOT_REGULAR}{'s' * (len(special) != 1)} (a FIFO, "
-                       "device or socket, never opened)")
-        if symlinks:
-            why.append(f"{len(symlinks)} symlink{'s' * (len(symlinks) != 1)} (not followed)")
         noun = "file or folder" if n == 1 else "files or folders"
         if members or not any(os.path.isdir(p) for p in hidden):
             noun = "file" if n == 1 else "files"
         print(f"ember shards create: left out {n} {noun}: "
-              f"{', '.join(why)} (first: {(hidden or skipped or special or symlinks)[0]})",
-              file=sys.stderr)
+              f"{', '.join(_left_out_reasons(found))} "
+              f"(first: {(hidden or skipped or special or symlinks)[0]})", file=sys.stderr)
     if found.loops:
         n = len(found.loops)
         print(f"ember shards create: left out {n} symlinked folder{'s' * (n != 1)} already walked "
@@ -1078,23 +1097,28 @@ def _stream_members(members, found: _Found):
             data = linked.data(name, data.target)
         elif data is not None:
             linked.add(name, data)
+        if unsafe_name(name):  # refused where samples are grouped, as absolute names are
+            yield name, data, offset
+            continue
         if any(_hidden(part) for part in name.split("/")):
             found.hidden.append(name)
             continue
         first = name.split("/", 1)[0]
         if is_metadata(name):
-            original, name = name, first[1:] + name[len(first):]
-            moved[first] = first[1:]
+            original, name = name, _unreserved(name)
+            moved[first] = name.split("/", 1)[0]
             key = (split_name(name) or (name, ""))[0]
             if not found.renamed or found.renamed[-1][1] != key:  # one entry per sample
                 found.renamed.append((original, key))
         else:
             plain.add(first)
-        clash = [m for m, n in moved.items() if n in plain]
-        if clash:
-            raise ValueError(f"class folders {clash[0]!r} and {moved[clash[0]]!r} both exist: "
-                             f"webdataset skips members under {clash[0]}/, and keys under "
-                             f"{moved[clash[0]]}/ are taken; rename one of them")
+        for m, n in moved.items():
+            other = next((m2 for m2, n2 in moved.items() if m2 != m and n2 == n),
+                         n if n in plain else None)
+            if other is not None:
+                raise ValueError(f"class folders {m!r} and {other!r} both exist: webdataset "
+                                 f"skips members under {m}/, and keys under {n}/ are taken; "
+                                 "rename one of them")
         yield name, data, offset
 
 
@@ -1102,9 +1126,17 @@ def _stream_samples(stream, found: _Found):
     """The samples of a tar stream (standard input), named as :func:`_stream_members` says."""
     src = open_tar_source(stream, "-")
     try:
-        yield from group_samples(_stream_members(iter_members(src, "-", links=True), found),
-                                 "-")
+        count = 0
+        for sample in group_samples(_stream_members(iter_members(src, "-", links=True), found),
+                                    "-"):
+            count += 1
+            yield sample
         src.finish()  # after the last sample: a gzip trailer cut short is an error too
+        if not count:  # as a folder without images is refused
+            left = len(found.hidden) + len(found.symlinks)
+            raise ValueError("standard input holds no samples (no file member with an extension"
+                             + (f"; {left} hidden or symlinked members left out" if left else "")
+                             + ")")
     finally:
         src.close()
 
