@@ -282,7 +282,10 @@ def _post(command: str | None) -> Callable[[str], None] | None:
     appended) on each finished shard; a failure stops the command."""
     if command is None:
         return None
-    argv = shlex.split(command)
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:  # an open quote
+        raise ValueError(f"--post {command!r}: {str(exc).lower()}") from exc
     if not argv:
         raise ValueError("--post needs a command")
     if shutil.which(argv[0]) is None:
@@ -356,7 +359,8 @@ def _byte_size(text: str) -> int:
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise ValueError(f"--maxsize expects a size such as 3e9, 500MB or 1GiB, got {text!r}")
-    value = float(m.group(1)) * _UNITS[unit]
+    number = m.group(1)  # a whole number exactly (2**63 - 1 is no float)
+    value = int(number) * _UNITS[unit] if number.isdigit() else float(number) * _UNITS[unit]
     if value < 1:
         raise ValueError(f"--maxsize must be at least 1 byte, got {text!r}")
     if not value < 2**63:  # infinity too (1e400)
@@ -1219,13 +1223,23 @@ def _quiet_stdout() -> None:
         os.close(null)
 
 
+def _one_line_warning(name: str) -> Callable:
+    """A ``warnings.showwarning`` that says a warning as the CLI's other notes: one line."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"ember shards {name}: {' '.join(str(message).split())}", file=sys.stderr)
+
+    return show
+
+
 def _guarded(name: str, fn: Callable) -> Callable:
     """Run ``fn(args)``, turning bad input (a shard error, a bad argument) into a one-line
     message and exit status 2 instead of a traceback."""
 
     def run(args) -> int:
         try:
-            with _stop_signals_raise():
+            with _stop_signals_raise(), warnings.catch_warnings():
+                warnings.showwarning = _one_line_warning(name)
                 code = fn(args)
                 if sys.stdout is not None and not sys.stdout.closed:  # `>&-`: None, quietly
                     sys.stdout.flush()  # a closed pipe is found here, not at the exit
