@@ -4,6 +4,7 @@ or to themselves, and files that are not regular files."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import subprocess
@@ -116,3 +117,116 @@ def test_a_listed_fifo_is_refused_unopened(tmp_path):
     r = _ember_waiting("create", "--list", str(root / "list.txt"), "-o",
                        str(tmp_path / "o" / "s-%03d.tar"), "-q")
     assert "not a regular file" in one_error_line(r, "create")
+
+
+def _linked_tar(root) -> bytes:
+    """GNU tar's way: a second name of a file is a hard-link member naming the first."""
+    (root / "dog").mkdir(parents=True)
+    (root / "cat").mkdir()
+    for name, (w, h) in {"dog/0.png": (4, 3), "dog/2.png": (5, 3), "cat/1.png": (6, 3)}.items():
+        (root / name).write_bytes(png(w, h))
+    os.link(root / "dog/0.png", root / "cat/0.png")
+    os.symlink("../cat/1.png", root / "dog/1.png")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name in ["dog/0.png", "dog/2.png", "dog/1.png", "cat/0.png", "cat/1.png"]:
+            tar.add(str(root / name), arcname=name, recursive=False)
+    return buf.getvalue()
+
+
+def test_a_stream_s_hard_link_takes_its_target_s_data_and_a_symlink_is_named(tmp_path):
+    stream = _linked_tar(tmp_path / "in")
+    with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
+        kinds = [m.type for m in tar]
+    assert kinds.count(tarfile.LNKTYPE) == 1 and kinds.count(tarfile.SYMTYPE) == 1
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q", stdin=stream)
+    assert r.returncode == 0, r.stderr
+    samples = {s["__key__"]: s for s in wds.WebDataset(str(tmp_path / "out" / "s-000.tar"),
+                                                       shardshuffle=False)}
+    assert sorted(samples) == ["cat/0", "cat/1", "dog/0", "dog/2"]
+    assert samples["cat/0"]["png"] == (tmp_path / "in" / "dog/0.png").read_bytes()  # as tar -x
+    left_out = [x for x in r.stderr.decode().splitlines() if "left out" in x]
+    assert len(left_out) == 1 and "1 symlink" in left_out[0] and "dog/1.png" in left_out[0]
+
+
+def test_a_stream_s_hard_link_to_no_earlier_member_is_one_line(tmp_path):
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat/1.png").write_bytes(png(4, 3))
+    info = tarfile.TarInfo("cat/9.png")
+    info.type, info.linkname = tarfile.LNKTYPE, "cat/missing.png"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        tar.add(str(tmp_path / "cat/1.png"), arcname="cat/1.png")
+        tar.addfile(info)
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
+              stdin=buf.getvalue())
+    assert "cat/9.png -> cat/missing.png" in one_error_line(r, "create")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_gzip_stream_cut_in_its_trailer_is_refused(tmp_path):
+    root = _folder(tmp_path / "in", {"cat": 2, "dog": 2})
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    whole = gzip.compress(_tar_of(root, names, ""))
+    assert ember("create", "-", "-o", str(tmp_path / "ok" / "s-%03d.tar"), "-q",
+                 stdin=whole).returncode == 0
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q", stdin=whole[:-4])
+    line = one_error_line(r, "create")
+    assert "gzip" in line or "ends" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def _stream_of(root, names: list[str]) -> bytes:
+    """A tar of ``png`` files under the given member names (any name, ``..`` ones too)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in names:
+            data = png(4, 3)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_class_with_three_leading_underscores_is_renamed_alike_from_a_folder_or_a_stream(
+        tmp_path):
+    root = _folder(tmp_path / "in", {"___x__": 1, "cat": 1})
+    outs = {}
+    for how, source, stdin in [("folder", str(root), None),
+                               ("stream", "-", _tar_of(root, ["___x__/i0.png", "cat/i0.png"],
+                                                       ""))]:
+        r = ember("create", source, "-o", str(tmp_path / how / "s-%03d.tar"), "-q", stdin=stdin)
+        assert r.returncode == 0, r.stderr
+        assert "'_x__/i0'" in r.stderr.decode()  # the note names the key written
+        outs[how] = sorted(s["__key__"] for s in wds.WebDataset(
+            str(tmp_path / how / "s-000.tar"), shardshuffle=False))
+    assert outs["folder"] == outs["stream"] == ["_x__/i0", "cat/i0"]  # webdataset reads both
+
+
+def test_a_stream_with_two_reserved_classes_that_would_meet_is_refused(tmp_path):
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
+              stdin=_stream_of(tmp_path, ["__x__/0.png", "___x__/0.png"]))
+    assert "___x__" in one_error_line(r, "create")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["../cat/0.png", "cat/../0.png", "/abs/0.png"])
+def test_a_stream_member_that_climbs_out_is_unsafe(tmp_path, name):
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q",
+              stdin=_stream_of(tmp_path, ["cat/1.png", name]))
+    line = one_error_line(r, "create")
+    assert "unsafe" in line and name in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("names", [[], [".DS_Store"]])
+def test_a_stream_without_samples_is_refused(tmp_path, names):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        folder = tarfile.TarInfo("cat")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+    stream = _stream_of(tmp_path, names) if names else buf.getvalue()
+    r = ember("create", "-", "-o", str(tmp_path / "out" / "s-%03d.tar"), "-q", stdin=stream)
+    assert "no samples" in one_error_line(r, "create")
+    assert not (tmp_path / "out").exists()

@@ -50,6 +50,15 @@ def test_cat_into_a_pipe_closed_early_ends_quietly(tmp_path):
     assert code == 128 + signal.SIGPIPE  # as a Unix tool ended by SIGPIPE
 
 
+@pytest.mark.parametrize("action", ["ls", "verify"])
+def test_an_action_run_with_standard_output_closed_ends_quietly(tmp_path, action):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    # `ember shards ls x.tar >&-`: Python starts with sys.stdout None
+    proc = subprocess.run(["bash", "-c", '"$@" >&-', "bash", *entry_point(), "shards", action,
+                           "-q", _shard(tmp_path)], capture_output=True, timeout=300, env=env)
+    assert proc.stderr == b""
+    assert proc.returncode == 0
+
 
 @pytest.fixture
 def images(tmp_path):
@@ -127,3 +136,29 @@ def test_merge_refuses_inputs_of_which_only_some_have_classes_json(images, tmp_p
         line = one_error_line(r, "merge")
         assert "classes.json" in line and str(tmp_path / "plain") in line
         assert not (tmp_path / "m").exists()
+
+
+def test_the_largest_maxsize_the_message_allows_is_taken(tmp_path):
+    out = tmp_path / "o" / "x-%03d.tar"
+    r = ember("split", "-q", _shard(tmp_path), "-o", str(out), "--maxsize", str(2**63 - 1))
+    assert r.returncode == 0, r.stderr
+    line = one_error_line(ember("split", _shard(tmp_path), "-o", str(tmp_path / "p" / "x-%03d.tar"),
+                                "--maxsize", str(2**63)), "split")
+    assert "--maxsize" in line
+
+
+def test_a_post_command_with_an_open_quote_names_the_flag(tmp_path):
+    line = one_error_line(ember("split", _shard(tmp_path), "-o",
+                                str(tmp_path / "o" / "x-%03d.tar"), "--post", '"x {}'), "split")
+    assert "--post" in line and "quotation" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_ls_says_an_unreadable_index_in_one_line(tmp_path):
+    shard = _shard(tmp_path)
+    (tmp_path / "s-0000.tar.idx").write_bytes(b"not an index")
+    r = ember("ls", "-q", shard, process=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().splitlines()[0] == f"5\t{shard}"
+    err = r.stderr.decode().strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ember shards ls: ignoring unreadable index"), err

@@ -432,3 +432,28 @@ def test_member_cut_after_its_header_comes_last_without_data(tmp_path):
         spans.extend(scan_members(memory_source(data, "m.tar"), "m.tar"))
     assert spans[-1] == ("k2.bin", 2 * _SAMPLE, None)
     assert spans[-2] == ("k1.cls", _SAMPLE + _CLS, 2 * _SAMPLE)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+def test_link_members_come_with_their_targets_when_asked(fmt):
+    from ember.shards.tar import Link, iter_members, memory_source
+
+    long = "d" * 60 + "/" if fmt != tarfile.USTAR_FORMAT else ""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        info = tarfile.TarInfo(long + "a" * 90 + ".txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+        for kind, name in [(tarfile.LNKTYPE, "h.txt"), (tarfile.SYMTYPE, "s.txt")]:
+            link = tarfile.TarInfo(long + name)
+            link.type, link.linkname = kind, info.name
+            tar.addfile(link)
+        tail = tarfile.TarInfo("z.txt")
+        tail.size = 1
+        tar.addfile(tail, io.BytesIO(b"z"))
+    data = buf.getvalue()
+    got = [(n, d) for n, d, _ in iter_members(memory_source(data, "t.tar"), "t.tar", links=True)]
+    assert got == [(info.name, b"abc"), (long + "h.txt", Link(info.name, True)),
+                   (long + "s.txt", Link(info.name, False)), ("z.txt", b"z")]
+    plain = [(n, d) for n, d, _ in iter_members(memory_source(data, "t.tar"), "t.tar")]
+    assert plain == [(info.name, b"abc"), ("z.txt", b"z")]

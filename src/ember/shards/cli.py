@@ -26,7 +26,7 @@ from tqdm import tqdm
 from ember.shards.dataset import ShardDataset
 from ember.shards.decode import IMAGE_EXTENSIONS, MAX_PIXELS
 from ember.shards.errors import ShardError
-from ember.shards.format import group_samples, is_metadata, split_name
+from ember.shards.format import group_samples, is_metadata, split_name, unsafe_name
 from ember.shards.index import (
     INDEX_SUFFIX,
     build_index,
@@ -37,7 +37,7 @@ from ember.shards.index import (
     write_index,
 )
 from ember.shards.reading import _samples, iter_shard
-from ember.shards.tar import iter_members, open_tar_source
+from ember.shards.tar import Link, iter_members, open_tar_source
 from ember.shards.urls import UrlOptions, expand_urls, file_beside, local_path
 from ember.shards.writer import ShardWriter, TarWriter, shard_path
 
@@ -282,7 +282,10 @@ def _post(command: str | None) -> Callable[[str], None] | None:
     appended) on each finished shard; a failure stops the command."""
     if command is None:
         return None
-    argv = shlex.split(command)
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:  # an open quote
+        raise ValueError(f"--post {command!r}: {str(exc).lower()}") from exc
     if not argv:
         raise ValueError("--post needs a command")
     if shutil.which(argv[0]) is None:
@@ -356,7 +359,8 @@ def _byte_size(text: str) -> int:
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise ValueError(f"--maxsize expects a size such as 3e9, 500MB or 1GiB, got {text!r}")
-    value = float(m.group(1)) * _UNITS[unit]
+    number = m.group(1)  # a whole number exactly (2**63 - 1 is no float)
+    value = int(number) * _UNITS[unit] if number.isdigit() else float(number) * _UNITS[unit]
     if value < 1:
         raise ValueError(f"--maxsize must be at least 1 byte, got {text!r}")
     if not value < 2**63:  # infinity too (1e400)
@@ -616,7 +620,7 @@ def _carried_classes(args, urls: list[str]) -> dict[str, bytes] | None:
         folder = url.rsplit("/", 1)[0] if local_path(url) is None else \
             os.path.dirname(os.path.abspath(local_path(url) or ""))
         if folder not in found and folder not in without:
-            data = file_beside(url, "classes.json", options)
+            data = file_beside(url, "classes.json", options, required=True)
             if data is not None:
                 found[folder] = data
             else:
@@ -704,6 +708,7 @@ class _Found:
     loops: list[str] = dataclasses.field(default_factory=list)  # symlinked folders walked already
     renamed: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, key)
     special: list[str] = dataclasses.field(default_factory=list)  # FIFOs, devices, sockets
+    symlinks: list[str] = dataclasses.field(default_factory=list)  # a tar stream's symlinks
     broken: list[str] = dataclasses.field(default_factory=list)  # "path: why it cannot be read"
     empty: list[str] = dataclasses.field(default_factory=list)  # class folders without images
 
@@ -742,17 +747,30 @@ def _walk_class(top: str, found: _Found, seen: set) -> list[tuple[str, str, str]
     return entries
 
 
+def _unreserved(name: str) -> str:
+    """``name`` with as few of its leading ``_`` removed as webdataset needs to read its first
+    path part as a sample's, not as metadata (``__background__/a`` -> ``_background__/a``,
+    ``___x__/a`` -> ``_x__/a``)."""
+    first = name.split("/", 1)[0]
+    rest = name[len(first):]
+    while is_metadata(first + rest):
+        first = first[1:]
+    return first + rest
+
+
 def _class_prefix(name: str, classes: list[str]) -> str:
     """The first part of the keys of class folder ``name``: the name itself, except where
-    webdataset would skip members under it (``__background__``): then without its first
-    ``_``."""
-    if not is_metadata(f"{name}/x"):
+    webdataset would skip members under it (``__background__``): then without as many leading
+    ``_`` as that takes."""
+    new = _unreserved(f"{name}/x")[:-2]
+    if new == name:
         return name
-    if name[1:] in classes:
-        raise ValueError(f"class folders {name!r} and {name[1:]!r} both exist: webdataset skips "
-                         f"members under {name}/, and keys under {name[1:]}/ are taken; rename "
+    taken = [c for c in classes if c != name and (c == new or _unreserved(f"{c}/x")[:-2] == new)]
+    if taken:
+        raise ValueError(f"class folders {name!r} and {taken[0]!r} both exist: webdataset skips "
+                         f"members under {name}/, and keys under {new}/ are taken; rename "
                          "one of them")
-    return name[1:]
+    return new
 
 
 def _unreadable(path: str) -> str | None:
@@ -850,27 +868,37 @@ def _folder_samples(images: list[tuple[int, str, str, str]]):
         yield {"__key__": key, ext: data, "cls": str(index).encode(), "__path__": path}
 
 
+def _left_out_reasons(found: _Found) -> list[str]:
+    """The reasons files were left out, each with its count, for the one line about them."""
+    skipped, hidden, special, symlinks = found.skipped, found.hidden, found.special, found.symlinks
+    why = []
+    if hidden:
+        why.append(f"{len(hidden)} hidden (name starting with '.')")
+    if skipped:
+        why.append(f"{len(skipped)} not an image by {'its' if len(skipped) == 1 else 'their'}"
+                   " extension")
+    if special:
+        why.append(f"{len(special)} {_NOT_REGULAR}{'s' * (len(special) != 1)} (a FIFO, "
+                   "device or socket, never opened)")
+    if symlinks:
+        why.append(f"{len(symlinks)} symlink{'s' * (len(symlinks) != 1)} (not followed)")
+    return why
+
+
 def _say_left_out(found: _Found, members: bool = False) -> None:
     """One line for the files left out (hidden, or not an image), one for the symlinked folders
     walked already, and one for keys that differ from file names (``members``: the names are
     those of a tar stream's files, not paths)."""
     skipped, hidden, renamed, special = found.skipped, found.hidden, found.renamed, found.special
-    if skipped or hidden or special:
-        n = len(skipped) + len(hidden) + len(special)
-        why = []
-        if hidden:
-            why.append(f"{len(hidden)} hidden (name starting with '.')")
-        if skipped:
-            why.append(f"{len(skipped)} not an image by {'its' if len(skipped) == 1 else 'their'}"
-                       " extension")
-        if special:
-            why.append(f"{len(special)} {_NOT_REGULAR}{'s' * (len(special) != 1)} (a FIFO, "
-                       "device or socket, never opened)")
+    symlinks = found.symlinks
+    if skipped or hidden or special or symlinks:
+        n = len(skipped) + len(hidden) + len(special) + len(symlinks)
         noun = "file or folder" if n == 1 else "files or folders"
         if members or not any(os.path.isdir(p) for p in hidden):
             noun = "file" if n == 1 else "files"
         print(f"ember shards create: left out {n} {noun}: "
-              f"{', '.join(why)} (first: {(hidden or skipped or special)[0]})", file=sys.stderr)
+              f"{', '.join(_left_out_reasons(found))} "
+              f"(first: {(hidden or skipped or special or symlinks)[0]})", file=sys.stderr)
     if found.loops:
         n = len(found.loops)
         print(f"ember shards create: left out {n} symlinked folder{'s' * (n != 1)} already walked "
@@ -1019,34 +1047,82 @@ def _folder_source(args, src: str, bad: list[str] | None):
     return _folder_samples(images), len(images), extra
 
 
+_LINKED_BYTES = 256 << 20  # the most bytes of earlier members kept for hard links to them
+
+
+class _Linked:
+    """The data of a tar stream's recent members, by name, for the hard links that follow them
+    (as tar extraction gives a hard link its target's data)."""
+
+    def __init__(self):
+        self.kept: dict[str, bytes] = {}
+        self.size = 0
+        self.dropped: set[str] = set()
+
+    def add(self, name: str, data: bytes) -> None:
+        self.size += len(data) - len(self.kept.pop(name, b""))
+        self.kept[name] = data
+        self.dropped.discard(name)
+        while self.size > _LINKED_BYTES:
+            old = next(iter(self.kept))
+            self.size -= len(self.kept.pop(old))
+            self.dropped.add(old)
+
+    def data(self, name: str, target: str) -> bytes:
+        while target.startswith("./"):
+            target = target[2:]
+        if target in self.kept:
+            return self.kept[target]
+        if target in self.dropped:
+            raise ValueError(f"standard input: the hard link {name} -> {target} points too far "
+                             "back in the stream to be kept; make the stream with tar "
+                             "--hard-dereference")
+        raise ValueError(f"standard input: the hard link {name} -> {target} names no earlier "
+                         "member of the stream")
+
+
 def _stream_members(members, found: _Found):
     """The members of a tar stream as ``create FOLDER`` would name them: without a leading
     ``./``, hidden files and folders left out (in ``found.hidden``), and a first path part that
-    webdataset reserves (``__background__``) without its first ``_`` (in ``found.renamed``)."""
+    webdataset reserves (``__background__``) without its first ``_`` (in ``found.renamed``).
+    A hard link takes its target's data; a symlink is left out (in ``found.symlinks``)."""
     plain: set[str] = set()  # first path parts as they are
     moved: dict[str, str] = {}  # reserved first path part -> the one written
+    linked = _Linked()
     for name, data, offset in members:
         while name.startswith("./"):
             name = name[2:]
         if not name:
+            continue
+        if isinstance(data, Link):
+            if not data.hard:
+                found.symlinks.append(name)
+                continue
+            data = linked.data(name, data.target)
+        elif data is not None:
+            linked.add(name, data)
+        if unsafe_name(name):  # refused where samples are grouped, as absolute names are
+            yield name, data, offset
             continue
         if any(_hidden(part) for part in name.split("/")):
             found.hidden.append(name)
             continue
         first = name.split("/", 1)[0]
         if is_metadata(name):
-            original, name = name, first[1:] + name[len(first):]
-            moved[first] = first[1:]
+            original, name = name, _unreserved(name)
+            moved[first] = name.split("/", 1)[0]
             key = (split_name(name) or (name, ""))[0]
             if not found.renamed or found.renamed[-1][1] != key:  # one entry per sample
                 found.renamed.append((original, key))
         else:
             plain.add(first)
-        clash = [m for m, n in moved.items() if n in plain]
-        if clash:
-            raise ValueError(f"class folders {clash[0]!r} and {moved[clash[0]]!r} both exist: "
-                             f"webdataset skips members under {clash[0]}/, and keys under "
-                             f"{moved[clash[0]]}/ are taken; rename one of them")
+        for m, n in moved.items():
+            other = next((m2 for m2, n2 in moved.items() if m2 != m and n2 == n),
+                         n if n in plain else None)
+            if other is not None:
+                raise ValueError(f"class folders {m!r} and {other!r} both exist: webdataset "
+                                 f"skips members under {m}/, and keys under {n}/ are taken; "
+                                 "rename one of them")
         yield name, data, offset
 
 
@@ -1054,7 +1130,17 @@ def _stream_samples(stream, found: _Found):
     """The samples of a tar stream (standard input), named as :func:`_stream_members` says."""
     src = open_tar_source(stream, "-")
     try:
-        yield from group_samples(_stream_members(iter_members(src, "-"), found), "-")
+        count = 0
+        for sample in group_samples(_stream_members(iter_members(src, "-", links=True), found),
+                                    "-"):
+            count += 1
+            yield sample
+        src.finish()  # after the last sample: a gzip trailer cut short is an error too
+        if not count:  # as a folder without images is refused
+            left = len(found.hidden) + len(found.symlinks)
+            raise ValueError("standard input holds no samples (no file member with an extension"
+                             + (f"; {left} hidden or symlinked members left out" if left else "")
+                             + ")")
     finally:
         src.close()
 
@@ -1137,15 +1223,26 @@ def _quiet_stdout() -> None:
         os.close(null)
 
 
+def _one_line_warning(name: str) -> Callable:
+    """A ``warnings.showwarning`` that says a warning as the CLI's other notes: one line."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"ember shards {name}: {' '.join(str(message).split())}", file=sys.stderr)
+
+    return show
+
+
 def _guarded(name: str, fn: Callable) -> Callable:
     """Run ``fn(args)``, turning bad input (a shard error, a bad argument) into a one-line
     message and exit status 2 instead of a traceback."""
 
     def run(args) -> int:
         try:
-            with _stop_signals_raise():
+            with _stop_signals_raise(), warnings.catch_warnings():
+                warnings.showwarning = _one_line_warning(name)
                 code = fn(args)
-                sys.stdout.flush()  # a closed pipe is found here, not at the exit
+                if sys.stdout is not None and not sys.stdout.closed:  # `>&-`: None, quietly
+                    sys.stdout.flush()  # a closed pipe is found here, not at the exit
                 return code
         except BrokenPipeError:  # `ember shards cat ... | head`: quiet, as Unix tools are
             _quiet_stdout()

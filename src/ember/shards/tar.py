@@ -25,7 +25,7 @@ import stat
 import struct
 import zlib
 from collections.abc import Iterator
-from typing import BinaryIO, cast
+from typing import BinaryIO, NamedTuple, cast
 
 from ember.shards.errors import ShardError, TruncatedShardError
 
@@ -54,6 +54,15 @@ _LONGNAME, _PAX, _GLOBAL_PAX = ord("L"), ord("x"), ord("g")
 _EXTENDED = (_LONGNAME, _PAX, _GLOBAL_PAX)
 _LONGLINK = ord("K")  # a GNU long link target: only links have one
 _UNSUPPORTED = (ord("S"), ord("M"))
+_LINKS = (ord("1"), ord("2"))  # a hard link, a symbolic link
+
+
+class Link(NamedTuple):
+    """A link member of a tar stream (from :func:`iter_members` with ``links=True``): ``target``
+    is the name it points to, ``hard`` tells a hard link (to an earlier member) from a symlink."""
+
+    target: str
+    hard: bool
 
 
 class _MemorySource:
@@ -386,6 +395,7 @@ class _Extended:
 
     def __init__(self):
         self.long_name: bytes | None = None
+        self.long_link: bytes | None = None  # a GNU long link target
         self.pax: dict[str, bytes] | None = None
         self.start: int | None = None  # offset of the first such record
         self.global_path: bytes | None = None
@@ -397,6 +407,8 @@ class _Extended:
         else:
             if kind == _LONGNAME:
                 self.long_name = payload.partition(b"\x00")[0]
+            elif kind == _LONGLINK:
+                self.long_link = payload.partition(b"\x00")[0]
             else:
                 self.pax = _parse_pax(payload, url, offset)
             if self.start is None:
@@ -405,7 +417,7 @@ class _Extended:
 
     def waiting(self) -> bool:
         """Whether records were read that no member has used yet."""
-        return self.long_name is not None or self.pax is not None
+        return self.long_name is not None or self.long_link is not None or self.pax is not None
 
     def apply(self, offset: int, size: int, url: str) -> tuple[bytes | None, int, int]:
         """(name or None for the header's own, offset of the first record, size) of the member
@@ -427,7 +439,7 @@ class _Extended:
         return raw, offset, size
 
     def drop(self) -> None:
-        self.long_name = self.pax = self.start = None
+        self.long_name = self.long_link = self.pax = self.start = None
         self.pending = self.global_path is not None
 
 
@@ -510,7 +522,7 @@ def _other_record(src, pos: int, kind: int, size: int, ext: _Extended, url: str)
                          record_at)
     data_at = pos + BLOCK
     padded = (size + 511) & ~511
-    keep = kind in _EXTENDED
+    keep = kind in _EXTENDED or kind == _LONGLINK
     if data_at + padded <= src.end:
         payload = src.buf[data_at : data_at + size] if keep else None
         pos = data_at + padded
@@ -520,15 +532,28 @@ def _other_record(src, pos: int, kind: int, size: int, ext: _Extended, url: str)
         pos = 0
     if keep:
         ext.add(kind, cast(bytes, payload), url, record_at)
-    elif kind != _LONGLINK:
+    else:
         # links, directories, devices, FIFOs and unknown types are not sample members; the
         # records read for them do not carry over
         ext.drop()
     return pos
 
 
-def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
-    """Yield each regular file as (name, data, offset), or (name, offset, end) if not with_data.
+def _link_target(h: bytes, ext: _Extended) -> Link:
+    """The target of the link member whose header is ``h`` (GNU long link or PAX linkpath
+    records read before it applied)."""
+    raw = ext.long_link
+    if raw is None and ext.pax is not None:
+        raw = ext.pax.get("linkpath")
+    if raw is None:
+        raw = h[157:257].partition(b"\x00")[0]
+    return Link(raw.decode("utf-8", "surrogateescape"), h[156] == ord("1"))
+
+
+def _members(src, url: str, with_data: bool, whole: bool, links: bool = False
+             ) -> Iterator[tuple]:
+    """Yield each regular file as (name, data, offset), or (name, offset, end) if not with_data;
+    with ``links``, each hard or symbolic link as (name, Link, offset) too.
 
     ``offset`` is where the member's first record starts (long-name records included), ``end``
     the offset just past its padded data. ``whole=False`` parses a slice of an archive, which may
@@ -569,6 +594,13 @@ def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
             raise ShardError("tar header checksum mismatch (corrupt archive)", url, base + pos)
         size = _member_size(size_f, sizes, url, base + pos)
         if kind not in regular:
+            if links and kind in _LINKS:
+                link = _link_target(h, ext)
+                member, offset, _ = _member_name(h, name, ext, base + pos, size, url)
+                pos = _other_record(src, pos, kind, size, ext, url)
+                buf, base, end = src.buf, src.base, src.end
+                yield member, link, offset
+                continue
             pos = _other_record(src, pos, kind, size, ext, url)
             buf, base, end = src.buf, src.base, src.end
             continue
@@ -592,7 +624,8 @@ def _members(src, url: str, with_data: bool, whole: bool) -> Iterator[tuple]:
         yield (member, data, offset) if with_data else (member, offset, base)
 
 
-def iter_members(source, url: str, *, whole: bool = True) -> Iterator[tuple[str, bytes, int]]:
+def iter_members(source, url: str, *, whole: bool = True, links: bool = False
+                 ) -> Iterator[tuple[str, bytes, int]]:
     """Yield ``(name, data, offset)`` for every regular file of a tar source, in order.
 
     ``source`` comes from :func:`open_tar_source` (or :func:`memory_source`); ``offset`` is where
@@ -600,9 +633,10 @@ def iter_members(source, url: str, *, whole: bool = True) -> Iterator[tuple[str,
     TruncatedShardError when the archive ends early, after every member complete before that.
     When the cut falls inside a member whose header is intact, that member comes last with
     ``data=None``, right before the error: its name tells a consumer grouping members into
-    samples that the sample before it is complete.
+    samples that the sample before it is complete. With ``links``, a hard or symbolic link
+    member comes as ``(name, Link, offset)`` (else links are skipped, as folders are).
     """
-    return _members(source, url, True, whole)
+    return _members(source, url, True, whole, links)
 
 
 def scan_members(source, url: str) -> Iterator[tuple[str, int, int]]:

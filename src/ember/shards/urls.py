@@ -319,12 +319,16 @@ def _open_pipe(url: str, options: UrlOptions) -> BinaryIO:
     return cast(BinaryIO, _PipeStream(url[5:], url))
 
 
-def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes | None:
+def file_beside(url: str, name: str, options: UrlOptions | None = None, *,
+                required: bool = False) -> bytes | None:
     """The bytes of the file ``name`` in the folder of the shard ``url`` (a local path, or a URL
     whose scheme has files beside its shards: http(s), s3), or None where there is none (or
     can be none). Read whole, never cached. A remote file is an optional one: asked for once,
     without retries, and one that cannot be fetched (an unreachable server, a dropped
-    connection) is None with a warning naming it, so the shards' own reads report the problem."""
+    connection) is None with a warning naming it, so the shards' own reads report the problem.
+    With ``required`` (a writer that would otherwise drop what the file says), a remote file is
+    read with ``options``' retries and one that cannot be fetched raises :class:`ShardError`
+    naming its URL; only a file that is not there (HTTP 404, S3 NoSuchKey) is None."""
     path = local_path(url)
     if path is not None:
         try:
@@ -335,8 +339,9 @@ def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes
             raise ShardError(f"cannot read {name} beside it: {exc}", url) from exc
     if sibling_url(url, "") is None or "/" not in url:
         return None
-    options = dataclasses.replace(options or UrlOptions(), retries=0, cache_dir=None,
-                                  cache_size=None)
+    options = options or UrlOptions()
+    options = dataclasses.replace(options, retries=options.retries if required else 0,
+                                  cache_dir=None, cache_size=None)
     where = url.rsplit("/", 1)[0] + "/" + name
     try:
         with open_url(where, options) as stream:
@@ -344,6 +349,8 @@ def file_beside(url: str, name: str, options: UrlOptions | None = None) -> bytes
     except NotFoundError:
         return None
     except ShardError as exc:
+        if required:
+            raise ShardError(f"cannot read {where} ({exc.message})") from exc
         warnings.warn(f"cannot read {where} ({exc.message}); going on without it", stacklevel=2)
         return None
 
