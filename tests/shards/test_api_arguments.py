@@ -128,6 +128,15 @@ def test_allow_pipe_takes_only_a_bool(value, tmp_path):
     assert UrlOptions(allow_pipe=False).allow_pipe is False
 
 
+def test_allow_pipe_takes_numpys_bools_as_bools():
+    import numpy as np
+
+    from ember.shards import UrlOptions
+
+    assert UrlOptions(allow_pipe=np.True_).allow_pipe is True
+    assert UrlOptions(allow_pipe=np.False_).allow_pipe is False
+
+
 @pytest.mark.parametrize("value", [float("inf"), 1e12, 86400.5])
 def test_a_timeout_no_socket_can_wait_is_refused(value):
     from ember.shards import UrlOptions

@@ -12,10 +12,11 @@ __all__ = ["boolean", "integer", "real"]
 
 
 def boolean(value: Any, name: str) -> bool:
-    """``value`` if it is a bool (not a string, number or None, whose truth says nothing)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
+    """``value`` as a bool if it is one (Python's or NumPy's; not a string, number or None,
+    whose truth says nothing)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool" and hasattr(value, "dtype"):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
 
 
 def integer(value: Any, name: str, *, minimum: int | None = None) -> int:

@@ -140,7 +140,7 @@ class UrlOptions:
                 isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()):
             raise TypeError(f"headers must map str to str, got {self.headers!r}")
         set_(self, "headers", dict(self.headers))
-        boolean(self.allow_pipe, "allow_pipe")
+        set_(self, "allow_pipe", boolean(self.allow_pipe, "allow_pipe"))
         if self.cache_dir is not None:
             set_(self, "cache_dir", os.fspath(self.cache_dir))
         if self.cache_size is not None:
