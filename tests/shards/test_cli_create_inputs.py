@@ -12,19 +12,12 @@ import sys
 import tarfile
 
 import pytest
+from test_cli_create_folders import _folder
 from test_cli_guards import ember, entry_point, one_error_line, png
 
 from ember.shards import iter_shard
 
 wds = pytest.importorskip("webdataset")
-
-
-def _folder(root, classes: dict[str, int]):
-    for name, count in classes.items():
-        (root / name).mkdir(parents=True)
-        for j in range(count):
-            (root / name / f"i{j}.png").write_bytes(png(4 + j, 3))
-    return root
 
 
 def _ember_waiting(*args: str, deadline: float = 120) -> subprocess.CompletedProcess:
