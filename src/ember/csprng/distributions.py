@@ -62,7 +62,7 @@ _TAN_BOUND = 6e15
 def _overflow_if(dtype: torch.dtype, bound: float) -> contextlib.AbstractContextManager:
     """:func:`_overflow_to_inf` where a value as large as ``bound`` would pass the range of
     ``dtype``; else nothing to enter (NumPy's error state costs microseconds per call)."""
-    if not bound < _FINITE_MAX.get(dtype, 0.0) / 2:
+    if not bound < _HALF_MAX.get(dtype, 0.0):
         return _overflow_to_inf()
     return _NO_OVERFLOW
 

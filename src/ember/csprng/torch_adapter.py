@@ -133,6 +133,10 @@ def _fill_subclass(t: torch.Tensor, generator: Generator, method: str, params: t
     """Fill a tensor subclass that dispatches its own operators (DTensor, a wrapper subclass whose
     values live in inner tensors, MaskedTensor): its memory, if it has any, is not where its values
     are. The values are drawn into a plain tensor and copied in through the subclass's copy_."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    is_dtensor = dtensor is not None and isinstance(t, dtensor.DTensor)
+    if is_dtensor:
+        _check_replicated_draw(t, generator)
     op = _ATEN_DRAWS.get(method)
     if op is not None:
         # torch's own draw through the subclass, from a throwaway torch generator: it raises
@@ -144,11 +148,8 @@ def _fill_subclass(t: torch.Tensor, generator: Generator, method: str, params: t
         raise RuntimeError(f"ember.csprng cannot draw into a {type(t).__name__} while new tensors "
                            f"are {type(plain).__name__}s; draw outside this context and pass the "
                            "values in")
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        _check_replicated_draw(t, generator)
     tmp = fill_(plain, generator, method, *params, fresh=True)
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
+    if is_dtensor:
         # every rank draws the whole tensor and keeps its own part of it
         from torch.distributed.tensor.experimental import implicit_replication
 
@@ -821,7 +822,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
         # is_compiling() still True: the flag tells the wrapper it is that eager run
         if not disabled:
             disabled.append(torch.compiler.disable(functools.partial(_eager, wrapper)))
-        _AT_GRAPH_BREAK.depth = getattr(_AT_GRAPH_BREAK, "depth", 0) + 1
+        _AT_GRAPH_BREAK.depth += 1
         try:
             return disabled[0](*args, **kwargs)
         finally:
@@ -835,7 +836,7 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
                 args, kwargs = args[:positional_generator], {"generator": g}
         if g is None or not isinstance(g, Generator):
             return original(*args, **kwargs)
-        if torch.compiler.is_compiling() and not getattr(_AT_GRAPH_BREAK, "depth", 0):
+        if torch.compiler.is_compiling() and not _AT_GRAPH_BREAK.depth:
             return eager_impl(*args, **kwargs)
         if _jit_tracing() or _dispatch_modes():
             _refuse_tracing(name)  # torch.export traces at the graph break, as torch.compile does
@@ -859,7 +860,13 @@ def _wrap(original: Callable[..., Any], impl: Callable[..., Any], positional_gen
     return wrapper
 
 
-_AT_GRAPH_BREAK = threading.local()  # depth: the wrapper runs at a graph break (eagerly)
+class _GraphBreakDepth(threading.local):
+    """How deep this thread is in wrappers run at a graph break (eagerly); 0 elsewhere."""
+
+    depth = 0
+
+
+_AT_GRAPH_BREAK = _GraphBreakDepth()
 _jit_tracing = patch.get("torch._C._is_tracing")
 _dispatch_modes = patch.get("torch._C._len_torch_dispatch_stack")
 _handle_torch_function = torch.overrides.handle_torch_function

@@ -8,13 +8,15 @@ import numbers
 import operator
 from typing import Any
 
+import numpy as np
+
 __all__ = ["boolean", "integer", "real"]
 
 
 def boolean(value: Any, name: str) -> bool:
     """``value`` as a bool if it is one (Python's or NumPy's; not a string, number or None,
     whose truth says nothing)."""
-    if isinstance(value, bool) or type(value).__name__ == "bool" and hasattr(value, "dtype"):
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
 
